@@ -1,0 +1,46 @@
+# The course's two commands are `make lab` and `make test`; both build .venv first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+NOTEBOOK ?= notebooks/00_welcome_and_setup.ipynb
+
+.PHONY: setup lab test test-lib test-notebooks figures bench clean check-python
+
+setup: $(STAMP)
+
+check-python:
+	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 10) else "ckptlib needs Python 3.10 or newer; found %d.%d. Install a newer Python (or use environment.yml with conda) and run make again." % v[:2])' \
+	  || { echo "No usable '$(PYTHON)' found. Install Python 3.10+ or run: make PYTHON=/path/to/python3"; exit 1; }
+
+# Rebuilt only when pyproject.toml or constraints.txt change.
+$(STAMP): pyproject.toml constraints.txt | check-python
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) \
+	  || { echo "Could not create $(VENV): on Debian/Ubuntu install python3-venv (apt-get install python3-venv)."; exit 1; }
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[course,test]'
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (ckptlib)" >/dev/null
+	@touch $(STAMP)
+	@echo "Environment ready in $(VENV)."
+
+lab: setup
+	@command -v dot >/dev/null || echo "note: Graphviz 'dot' not found; graphs render with the bundled WebAssembly Graphviz instead."
+	$(BIN)/jupyter lab --notebook-dir=. $(NOTEBOOK)
+
+test: setup
+	$(BIN)/python -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env
+
+test-lib: setup
+	$(BIN)/python -m pytest tests
+
+test-notebooks: setup
+	$(BIN)/python -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env notebooks
+
+figures: setup
+	$(BIN)/python -m ckptlib.bench --figures figures
+
+bench: setup
+	$(BIN)/python -m ckptlib.bench --json benchmarks/results/cpu.json
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,58 @@
+"""ckptlib: activation checkpointing built from saved-tensor hooks.
+
+Public names are imported lazily, so ``import ckptlib`` stays cheap and
+``ckptlib.graph`` never drags matplotlib or ipywidgets along.
+
+>>> import torch, ckptlib
+>>> x = torch.randn(4, requires_grad=True)
+>>> y = ckptlib.checkpoint(lambda t: t.sin().exp(), x)
+>>> y.sum().backward()
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# Imported eagerly: the function ``checkpoint`` shares its name with the module
+# ``ckptlib/checkpoint.py``; binding it here keeps ``ckptlib.checkpoint`` the function.
+# (Write ``from ckptlib.checkpoint import ...`` to reach the module's other names.)
+from ckptlib.checkpoint import CheckpointError, CheckpointTrace, checkpoint, record_trace
+
+# public name -> module that defines it (see DESIGN.md, "ckptlib: one module per idea")
+_PUBLIC = {
+    "checkpoint_sequential": "sequential",
+    "Plan": "schedules",
+    "uniform": "schedules",
+    "sqrt_n": "schedules",
+    "recursive": "schedules",
+    "revolve": "schedules",
+    "plan_for_budget": "schedules",
+    "selective_checkpoint": "policies",
+    "saved_tensors_report": "inspect",
+    "record_saved": "inspect",
+    "MemoryMeter": "memory",
+    "measure": "memory",
+    "autograd_graph": "graph",
+    "to_dot": "graph",
+    "render_svg": "graph",
+    "MLPChain": "models",
+    "TinyTransformer": "models",
+    "MemoryDashboard": "widgets",
+}
+
+__all__ = sorted([*_PUBLIC, "checkpoint", "CheckpointError", "CheckpointTrace", "record_trace"])
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _PUBLIC.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'ckptlib' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ckptlib.{module_name}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,0 +1,566 @@
+"""Non-reentrant activation checkpointing, built on saved-tensor hooks.
+
+Design notes
+============
+
+Autograd keeps, for every op of the forward pass, the tensors its backward
+formula needs ("saved tensors"). ``torch.autograd.graph.saved_tensors_hooks``
+lets us intercept that: a *pack* hook is called with each tensor as autograd
+saves it and returns whatever should be stored instead; an *unpack* hook is
+called when backward needs the tensor and must give it back.
+
+Forward. ``checkpoint(fn, *args)`` runs ``fn`` under a pack hook that stores a
+small empty ``_Holder`` instead of the tensor, and records the tensor's
+metadata (shape, dtype, device). It also keeps what it needs to run ``fn``
+again: the inputs, the RNG state and the autocast state. No activation made
+inside ``fn`` outlives the forward pass (unless ``fn`` returns it).
+
+Backward. The first unpack in a backward pass finds its holder empty and
+recomputes: it runs ``fn`` again from the kept inputs under a second pack hook
+(the *recomputation* hook) that, for the i-th saved tensor, puts a detached
+copy into the i-th holder. The i-th save of the rerun is the i-th save of the
+forward because the rerun executes the same ops in the same order; the
+metadata check turns a violation of that (non-deterministic control flow,
+data-dependent shapes, changed global state) into a ``CheckpointError``
+instead of a silently wrong gradient.
+
+Early stop. The rerun raises ``_StopRecomputation`` from the hook as soon as
+the last holder that backward can still ask for is filled: ops after it would
+only produce tensors nobody needs.
+
+One use, then gone. An unpack hands the tensor over and forgets it, so each
+recomputed tensor lives from its recomputation until its node has run. Whatever
+a backward did not consume (``torch.autograd.grad`` on a subset of inputs) is
+dropped by a callback queued on the autograd engine when that backward ends.
+
+Per backward pass. Holders keep recomputed tensors per *graph task* (one call
+of ``backward``/``grad``), so ``retain_graph=True`` followed by a second
+backward recomputes once more, and an unpack of the same tensor twice in one
+backward is an error rather than a stale value.
+
+Nesting. The kept inputs are stored as autograd saved tensors
+(``_make_saved_tensor``), so they pass through whatever pack hook is active
+when ``checkpoint`` is called. Inside an outer checkpoint, that is the outer
+pack hook: the inner inputs are dropped in forward like any other activation
+and come back when the outer region is recomputed. The hooks form a stack,
+each frame knowing only its own holders. This also works with
+``torch.utils.checkpoint`` on either side.
+
+This file is the library's version of what notebook 03 builds step by step.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ckptlib import rng
+
+__all__ = [
+    "checkpoint", "CheckpointError", "CheckpointTrace", "TraceEvent", "TensorMeta", "PackedInfo",
+    "record_trace", "peek_saved", "is_recomputing",
+]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpointed region could not give back what autograd saved in forward."""
+
+
+_MISMATCH_CAUSES = (
+    "Usual causes: non-deterministic control flow in the checkpointed function (branches on "
+    "random numbers, time or a global flag), data-dependent shapes (e.g. torch.nonzero on values "
+    "that changed), global state that changed between forward and backward (a module attribute, "
+    "train/eval mode), or an input modified in place after the forward pass. Make the function "
+    "depend only on its inputs, or keep its activations by not checkpointing it."
+)
+
+
+# ---------------------------------------------------------------------------
+# Metadata and the learner-facing trace
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What is checked between forward and recomputation, plus the bytes for the trace."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> "TensorMeta":
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device, tensor.numel() * tensor.element_size())
+
+    def same_as(self, other: "TensorMeta") -> bool:
+        return (self.shape, self.dtype, self.device) == (other.shape, other.dtype, other.device)
+
+    def __str__(self) -> str:
+        dims = "x".join(map(str, self.shape)) or "scalar"
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"{dims} {dtype} on {self.device} ({self.nbytes} bytes)"
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One step of a checkpoint's life: pack, forward_done, recompute, early_stop, unpack, release."""
+
+    kind: str
+    region: str
+    index: int | None = None
+    op: str | None = None
+    meta: TensorMeta | None = None
+    detail: str = ""
+
+    def __str__(self) -> str:
+        parts = [f"[{self.region}] {self.kind}"]
+        if self.index is not None:
+            parts.append(f"#{self.index}")
+        if self.op:
+            parts.append(f"{self.op}")
+        if self.meta is not None:
+            parts.append(str(self.meta))
+        if self.detail:
+            parts.append(self.detail)
+        return " ".join(parts)
+
+
+class CheckpointTrace:
+    """Events recorded by :func:`record_trace`; ``print(trace)`` shows one per line."""
+
+    def __init__(self) -> None:
+        self.events: list[TraceEvent] = []
+        self._lock = threading.Lock()
+
+    def add(self, event: TraceEvent) -> None:
+        with self._lock:
+            self.events.append(event)
+
+    def count(self, kind: str) -> int:
+        return sum(event.kind == kind for event in self.events)
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __str__(self) -> str:
+        return "\n".join(map(str, self.events))
+
+    def __repr__(self) -> str:
+        kinds = ("pack", "recompute", "early_stop", "unpack", "release")
+        return "CheckpointTrace(" + ", ".join(f"{k}={self.count(k)}" for k in kinds) + ")"
+
+
+_active_traces: list[CheckpointTrace] = []
+_region_counter = itertools.count()
+_outside_backward_keys = itertools.count(start=1)
+
+
+@contextlib.contextmanager
+def record_trace() -> Iterator[CheckpointTrace]:
+    """Record what every checkpoint does inside the block (and in backward passes run in it).
+
+    >>> import torch
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> with record_trace() as trace:
+    ...     checkpoint(lambda t: t.sin().cos(), x).sum().backward()
+    >>> trace.count("pack"), trace.count("recompute"), trace.count("unpack")
+    (2, 1, 2)
+    """
+    trace = CheckpointTrace()
+    _active_traces.append(trace)
+    try:
+        yield trace
+    finally:
+        _active_traces.remove(trace)
+
+
+class _OpNames(torch.overrides.TorchFunctionMode):
+    """Remembers the user-level op being called, so a pack can say who saved the tensor.
+
+    Only installed when tracing: ``torch.sin(x)`` and ``F.linear(...)`` are seen
+    here before autograd saves their tensors.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = "?"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.current = getattr(func, "__name__", str(func))
+        return func(*args, **(kwargs or {}))
+
+
+# ---------------------------------------------------------------------------
+# The holder autograd stores, and one checkpoint call's frame
+# ---------------------------------------------------------------------------
+
+
+class _Holder:
+    """What autograd keeps instead of a tensor: an index, and per backward pass the
+    recomputed tensor until it is unpacked (then ``_USED``)."""
+
+    __slots__ = ("frame", "index", "recomputed", "unpack_count", "__weakref__")
+
+    def __init__(self, frame: "_Frame", index: int) -> None:
+        self.frame = frame
+        self.index = index
+        self.recomputed: dict[int, Any] = {}
+        self.unpack_count = 0
+
+
+@dataclass(frozen=True)
+class PackedInfo:
+    """What a checkpoint stored for one saved tensor, as seen through :func:`peek_saved`."""
+
+    region: str
+    index: int
+    meta: TensorMeta
+    unpack_count: int
+    recompute_count: int
+
+
+class _Peek:
+    def __init__(self) -> None:
+        self.last: PackedInfo | None = None
+
+    def take(self) -> PackedInfo | None:
+        info, self.last = self.last, None
+        return info
+
+
+_thread_state = threading.local()
+
+
+@contextlib.contextmanager
+def peek_saved() -> Iterator[_Peek]:
+    """Read checkpointed saved tensors without recomputing them (for inspection tools).
+
+    Inside the block, reading ``grad_fn._saved_<name>`` of a tensor a checkpoint
+    dropped returns an empty tensor on the ``meta`` device with the right shape
+    and dtype, and ``peek.take()`` returns its :class:`PackedInfo`; for a tensor
+    no checkpoint touched it returns ``None``.
+
+    >>> import torch
+    >>> x = torch.randn(3, requires_grad=True)
+    >>> y = checkpoint(torch.sin, x)
+    >>> with peek_saved() as peek:
+    ...     saved = y.grad_fn._saved_self
+    ...     info = peek.take()
+    >>> saved.device.type, info.index, info.recompute_count
+    ('meta', 0, 0)
+    """
+    previous = getattr(_thread_state, "peek", None)
+    _thread_state.peek = _Peek()
+    try:
+        yield _thread_state.peek
+    finally:
+        _thread_state.peek = previous
+
+
+def is_recomputing() -> bool:
+    """True while a ckptlib checkpoint is re-running its function in this thread."""
+    return getattr(_thread_state, "recompute_depth", 0) > 0
+
+
+_USED = object()
+
+
+class _StopRecomputation(Exception):
+    """Raised from the recomputation hook once every needed tensor is back."""
+
+
+def _save_inputs(tensors: list[torch.Tensor]) -> list[Any]:
+    # _make_saved_tensor routes the inputs through the active pack hook (see Nesting).
+    return [torch._C._autograd._make_saved_tensor(t, is_output=False) for t in tensors]
+
+
+class _Frame:
+    """Everything one ``checkpoint`` call needs to rerun its function later."""
+
+    def __init__(self, fn, args, kwargs, preserve_rng_state, early_stop, context_fn, debug) -> None:
+        self.fn = fn
+        self.region = getattr(fn, "__qualname__", type(fn).__name__) + f"@{next(_region_counter)}"
+        leaves, self.spec = tree_flatten((args, kwargs))
+        self.tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaves[i] for i in self.tensor_positions]
+        self.other_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.input_versions = [t._version for t in tensors]
+        self.saved_inputs: list[Any] | None = _save_inputs(tensors)
+        self.rng_state = rng.capture(tensors) if preserve_rng_state else None
+        self.autocast = _autocast_state()
+        self.early_stop = early_stop
+        self.context_fn = context_fn
+        self.debug = debug
+        self.weak_holders: list[weakref.ReferenceType[_Holder]] = []
+        self.metas: list[TensorMeta] = []
+        self.recomputed_in: set[int] = set()
+        self.recompute_count = 0
+        self.op_names = _OpNames() if self.tracing else None
+
+    # -- trace ------------------------------------------------------------
+    @property
+    def tracing(self) -> bool:
+        return self.debug or bool(_active_traces)
+
+    def emit(self, kind: str, index: int | None = None, op: str | None = None,
+             meta: TensorMeta | None = None, detail: str = "") -> None:
+        if not self.tracing:
+            return
+        event = TraceEvent(kind, self.region, index, op, meta, detail)
+        for trace in list(_active_traces):
+            trace.add(event)
+        if self.debug:
+            print(event)
+
+    # -- forward ----------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> _Holder:
+        holder = _Holder(self, len(self.weak_holders))
+        self.weak_holders.append(weakref.ref(holder))
+        meta = TensorMeta.of(tensor)
+        self.metas.append(meta)
+        if self.op_names is not None:
+            self.emit("pack", holder.index, self.op_names.current, meta, "dropped")
+        return holder
+
+    # -- backward ---------------------------------------------------------
+    def unpack(self, holder: _Holder) -> torch.Tensor:
+        peek = getattr(_thread_state, "peek", None)
+        if peek is not None:
+            meta = self.metas[holder.index]
+            peek.last = PackedInfo(self.region, holder.index, meta, holder.unpack_count, self.recompute_count)
+            return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+        graph_task = torch._C._current_graph_task_id()
+        if graph_task == -1:
+            return self._unpack_outside_backward(holder)
+        if graph_task not in self.recomputed_in:
+            self.recompute(graph_task, trigger=holder.index)
+        value = holder.recomputed.get(graph_task, _USED)
+        if value is _USED:
+            raise CheckpointError(
+                f"checkpoint {self.region}: saved tensor #{holder.index} "
+                f"({self.metas[holder.index]}) was unpacked twice in one backward pass. "
+                "Each recomputed tensor is handed out once and then released. If a custom "
+                "autograd.Function reads ctx.saved_tensors more than once in backward, read it "
+                "once into a local variable."
+            )
+        holder.recomputed[graph_task] = _USED
+        holder.unpack_count += 1
+        if self.tracing:
+            self.emit("unpack", holder.index, _current_node_name(), detail="handed to backward, released")
+        return value
+
+    def _unpack_outside_backward(self, holder: _Holder) -> torch.Tensor:
+        # Someone read grad_fn._saved_* by hand: recompute just for this read, keep nothing.
+        key = -next(_outside_backward_keys)  # negative: never a real graph task id
+        try:
+            self.recompute(key, trigger=holder.index)
+            return holder.recomputed[key]
+        finally:
+            self._forget(key)
+
+    def recompute(self, graph_task: int, trigger: int) -> None:
+        alive = [i for i, ref in enumerate(self.weak_holders) if ref() is not None]
+        last_needed = alive[-1] if alive else -1
+        self.emit("recompute", trigger, detail=f"rerunning {self.region} for {len(alive)} of "
+                  f"{len(self.metas)} saved tensors")
+        self.recomputed_in.add(graph_task)
+        self.recompute_count += 1
+        if graph_task >= 0:
+            # Drop whatever this backward did not consume once it finishes.
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._forget(graph_task))
+        counter = itertools.count()
+
+        def pack_recomputed(tensor: torch.Tensor) -> torch.Tensor:
+            index = next(counter)
+            detached = tensor.detach() if tensor.requires_grad else tensor
+            if index >= len(self.metas):
+                raise CheckpointError(
+                    f"checkpoint {self.region}: the recomputation saved more tensors than the "
+                    f"forward pass did (forward saved {len(self.metas)}; extra tensor #{index}: "
+                    f"{TensorMeta.of(tensor)}). {_MISMATCH_CAUSES}"
+                )
+            meta = TensorMeta.of(tensor)
+            if not meta.same_as(self.metas[index]):
+                raise CheckpointError(
+                    f"checkpoint {self.region}: saved tensor #{index} differs between forward and "
+                    f"recomputation: forward saved {self.metas[index]}, recomputation produced "
+                    f"{meta}. {_MISMATCH_CAUSES}"
+                )
+            holder = self.weak_holders[index]()
+            if holder is not None:
+                holder.recomputed[graph_task] = detached
+            if self.early_stop and index == last_needed:
+                if index + 1 < len(self.metas):
+                    self.emit("early_stop", index, detail=f"all needed tensors back; skipped "
+                              f"{len(self.metas) - index - 1} later saves")
+                raise _StopRecomputation
+            return detached
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack_recomputed, _identity):
+                self._rerun()
+        except _StopRecomputation:
+            pass
+        except BaseException:
+            self._forget(graph_task)
+            raise
+        saved = next(counter)
+        if saved <= last_needed:
+            self._forget(graph_task)
+            raise CheckpointError(
+                f"checkpoint {self.region}: the recomputation saved fewer tensors than the forward "
+                f"pass did (forward saved {len(self.metas)}, recomputation {saved}). "
+                f"{_MISMATCH_CAUSES}"
+            )
+
+    def _rerun(self) -> None:
+        inputs = self.load_inputs()
+        args, kwargs = tree_unflatten(self._leaves_with(inputs), self.spec)
+        rng_context = rng.replay(self.rng_state) if self.rng_state is not None else contextlib.nullcontext()
+        recompute_context = self.context_fn()[1] if self.context_fn is not None else contextlib.nullcontext()
+        _thread_state.recompute_depth = getattr(_thread_state, "recompute_depth", 0) + 1
+        try:
+            with rng_context, torch.enable_grad(), _autocast(self.autocast), recompute_context:
+                self.fn(*args, **kwargs)
+        finally:
+            _thread_state.recompute_depth -= 1
+
+    def load_inputs(self) -> list[torch.Tensor]:
+        if self.saved_inputs is None:  # pragma: no cover - only when nothing was saved
+            raise CheckpointError(f"checkpoint {self.region}: inputs were released")
+        inputs = [saved.unpack() for saved in self.saved_inputs]
+        for position, (tensor, version) in enumerate(zip(inputs, self.input_versions)):
+            if tensor._version != version:
+                raise CheckpointError(
+                    f"checkpoint {self.region}: input tensor #{position} "
+                    f"({TensorMeta.of(tensor)}) was modified in place after the checkpointed "
+                    f"forward (version {version} -> {tensor._version}); recomputing from it would "
+                    "give wrong activations. Clone the input before modifying it, or modify a copy."
+                )
+        return inputs
+
+    def _leaves_with(self, inputs: list[torch.Tensor]) -> list[Any]:
+        leaves = list(self.other_leaves)
+        for position, tensor in zip(self.tensor_positions, inputs):
+            leaves[position] = tensor
+        return leaves
+
+    def _forget(self, graph_task: int) -> None:
+        released = 0
+        for ref in self.weak_holders:
+            holder = ref()
+            if holder is not None and holder.recomputed.pop(graph_task, _USED) is not _USED:
+                released += 1
+        self.recomputed_in.discard(graph_task)
+        if released and graph_task >= 0:
+            self.emit("release", detail=f"{released} recomputed tensors not needed by this backward")
+
+
+def _identity(x):
+    return x
+
+
+def _current_node_name() -> str | None:
+    node = torch._C._current_autograd_node()
+    return node.name() if node is not None else None
+
+
+# ---------------------------------------------------------------------------
+# Autocast state: the recomputation must run with the same casting as forward
+# ---------------------------------------------------------------------------
+
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    return tuple(
+        (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        for device in _AUTOCAST_DEVICES
+    )
+
+
+def _autocast(state) -> ContextManager:
+    stack = contextlib.ExitStack()
+    for device, enabled, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+    return stack
+
+
+# ---------------------------------------------------------------------------
+# The public function
+# ---------------------------------------------------------------------------
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+    debug: bool = False,
+    context_fn: Callable[[], tuple[ContextManager, ContextManager]] | None = None,
+    use_reentrant: bool | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute them in backward.
+
+    Args:
+        fn: any callable; ``args`` and ``kwargs`` may be nested tuples, lists and
+            dicts holding tensors, numbers, strings or ``None``; its return value is
+            passed back untouched.
+        preserve_rng_state: replay the CPU (and initialised CUDA) RNG state during
+            recomputation so dropout draws the same mask. The caller's RNG stream is
+            never moved by the recomputation.
+        early_stop: stop the recomputation as soon as every needed tensor is back.
+        debug: print a trace line for each pack, recompute, early stop and unpack.
+        context_fn: returns ``(forward_context, recompute_context)`` to run ``fn``
+            under in forward and in recomputation (as in ``torch.utils.checkpoint``).
+        use_reentrant: accepted for drop-in compatibility; only ``False``/``None``.
+
+    Gradients equal plain autograd bitwise; under ``torch.no_grad()`` this is a plain call.
+
+    >>> import torch
+    >>> x = torch.randn(8, 8, requires_grad=True)
+    >>> w = torch.randn(8, 8, requires_grad=True)
+    >>> def layer(inp, weight, *, scale):
+    ...     return (inp @ weight).relu() * scale
+    >>> checkpoint(layer, x, w, scale=2.0).sum().backward()
+    >>> expected = torch.autograd.grad(layer(x, w, scale=2.0).sum(), w)[0]
+    >>> torch.equal(w.grad, expected)
+    True
+    """
+    if not callable(fn):
+        raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
+                        "Pass the function or module itself, e.g. checkpoint(block, x).")
+    if use_reentrant:
+        raise ValueError("ckptlib.checkpoint is always non-reentrant; drop use_reentrant=True "
+                         "(or use torch.utils.checkpoint for the reentrant variant).")
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+
+    frame = _Frame(fn, args, kwargs, preserve_rng_state, early_stop, context_fn, debug)
+    forward_context = context_fn()[0] if context_fn is not None else contextlib.nullcontext()
+    op_names = frame.op_names if frame.op_names is not None else contextlib.nullcontext()
+    cuda_was_up = torch.cuda.is_initialized()
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), forward_context, op_names:
+        output = fn(*args, **kwargs)
+    if preserve_rng_state and not cuda_was_up and torch.cuda.is_initialized():
+        raise CheckpointError(
+            f"checkpoint {frame.region}: CUDA was initialised inside the checkpointed function, so "
+            "its RNG state could not be saved for the recomputation. Initialise CUDA before "
+            "checkpointing (e.g. torch.cuda.init(), or move the model to the GPU first), or pass "
+            "preserve_rng_state=False."
+        )
+    frame.op_names = None
+    if not frame.metas:
+        # Nothing was saved, so nothing will ever be recomputed: let the inputs go.
+        frame.saved_inputs = None
+    frame.emit("forward_done", detail=f"{len(frame.metas)} saved tensors dropped "
+               f"({sum(m.nbytes for m in frame.metas)} bytes); kept the inputs, RNG and autocast state")
+    return output
