@@ -276,9 +276,30 @@ class _StopRecomputation(Exception):
     """Raised from the recomputation hook once every needed tensor is back."""
 
 
-def _save_inputs(tensors: list[torch.Tensor]) -> list[Any]:
-    # _make_saved_tensor routes the inputs through the active pack hook (see Nesting).
-    return [torch._C._autograd._make_saved_tensor(t, is_output=False) for t in tensors]
+def _save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+    """Hand the inputs to autograd as saved tensors; return how to get them back.
+
+    Saving goes through the active pack hook (see Nesting in the notes above).
+    """
+    make_saved_tensor = getattr(torch._C._autograd, "_make_saved_tensor", None)
+    if make_saved_tensor is not None:
+        saved = [make_saved_tensor(t, is_output=False) for t in tensors]
+        return lambda: [s.unpack() for s in saved]
+    # Older torch: a do-nothing autograd.Function whose save_for_backward does the same.
+    anchor = torch.empty(0, requires_grad=True)
+    node = _InputSaver.apply(anchor, *tensors).grad_fn
+    return lambda: list(node.saved_tensors)
+
+
+class _InputSaver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, *tensors):
+        ctx.save_for_backward(*tensors)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - its output is never used
+        return (None,) * (1 + len(ctx.saved_tensors))
 
 
 class _Frame:
@@ -292,7 +313,7 @@ class _Frame:
         tensors = [leaves[i] for i in self.tensor_positions]
         self.other_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.input_versions = [t._version for t in tensors]
-        self.saved_inputs: list[Any] | None = _save_inputs(tensors)
+        self.saved_inputs: Callable[[], list[torch.Tensor]] | None = _save_inputs(tensors)
         self.rng_state = rng.capture(tensors) if preserve_rng_state else None
         self.autocast = _autocast_state()
         self.early_stop = early_stop
@@ -435,7 +456,7 @@ class _Frame:
     def load_inputs(self) -> list[torch.Tensor]:
         if self.saved_inputs is None:  # pragma: no cover - only when nothing was saved
             raise CheckpointError(f"checkpoint {self.region}: inputs were released")
-        inputs = [saved.unpack() for saved in self.saved_inputs]
+        inputs = self.saved_inputs()
         for position, (tensor, version) in enumerate(zip(inputs, self.input_versions)):
             if tensor._version != version:
                 raise CheckpointError(
