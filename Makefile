@@ -4,6 +4,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NOTEBOOK ?= notebooks/00_welcome_and_setup.ipynb
+# JupyterLab refuses to run as root without this flag (containers, CI).
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: setup lab test test-lib test-notebooks figures bench clean check-python
 
@@ -25,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt | check-python
 
 lab: setup
 	@command -v dot >/dev/null || echo "note: Graphviz 'dot' not found; graphs render with the bundled WebAssembly Graphviz instead."
-	$(BIN)/jupyter lab --notebook-dir=. $(NOTEBOOK)
+	$(BIN)/jupyter lab $(ROOT_FLAG) --notebook-dir=. $(LAB_ARGS) $(NOTEBOOK)
 
 test: setup
 	$(BIN)/python -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env
