@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -97,10 +98,12 @@ class TensorMeta:
 
     @classmethod
     def of(cls, tensor: torch.Tensor) -> "TensorMeta":
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.device, tensor.numel() * tensor.element_size())
+        return cls.from_key(_key(tensor))
 
-    def same_as(self, other: "TensorMeta") -> bool:
-        return (self.shape, self.dtype, self.device) == (other.shape, other.dtype, other.device)
+    @classmethod
+    def from_key(cls, key: tuple) -> "TensorMeta":
+        shape, dtype, device = key
+        return cls(tuple(shape), dtype, device, math.prod(shape) * dtype.itemsize)
 
     def __str__(self) -> str:
         dims = "x".join(map(str, self.shape)) or "scalar"
@@ -276,14 +279,16 @@ class _StopRecomputation(Exception):
     """Raised from the recomputation hook once every needed tensor is back."""
 
 
+_make_saved_tensor = getattr(torch._C._autograd, "_make_saved_tensor", None)  # None on older torch
+
+
 def _save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
     """Hand the inputs to autograd as saved tensors; return how to get them back.
 
     Saving goes through the active pack hook (see Nesting in the notes above).
     """
-    make_saved_tensor = getattr(torch._C._autograd, "_make_saved_tensor", None)
-    if make_saved_tensor is not None:
-        saved = [make_saved_tensor(t, is_output=False) for t in tensors]
+    if _make_saved_tensor is not None:
+        saved = [_make_saved_tensor(t, is_output=False) for t in tensors]
         return lambda: [s.unpack() for s in saved]
     # Older torch: a do-nothing autograd.Function whose save_for_backward does the same.
     anchor = torch.empty(0, requires_grad=True)
@@ -307,8 +312,11 @@ class _Frame:
 
     def __init__(self, fn, args, kwargs, preserve_rng_state, early_stop, context_fn, debug) -> None:
         self.fn = fn
-        self.region = getattr(fn, "__qualname__", type(fn).__name__) + f"@{next(_region_counter)}"
-        leaves, self.spec = tree_flatten((args, kwargs))
+        self.region_number = next(_region_counter)
+        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
+            leaves, self.spec = tree_flatten((args, kwargs))
+        else:  # the common case, flat positional arguments: skip the pytree machinery
+            leaves, self.spec = list(args), None
         self.tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[i] for i in self.tensor_positions]
         self.other_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
@@ -320,10 +328,19 @@ class _Frame:
         self.context_fn = context_fn
         self.debug = debug
         self.weak_holders: list[weakref.ReferenceType[_Holder]] = []
-        self.metas: list[TensorMeta] = []
+        self.keys: list[tuple] = []  # (shape, dtype, device) of each saved tensor, in pack order
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
         self.op_names = _OpNames() if self.tracing else None
+
+    @property
+    def region(self) -> str:
+        """A readable name for this checkpoint call, e.g. ``Block.forward@3``."""
+        name = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+        return f"{name}@{self.region_number}"
+
+    def meta(self, index: int) -> TensorMeta:
+        return TensorMeta.from_key(self.keys[index])
 
     # -- trace ------------------------------------------------------------
     @property
@@ -344,17 +361,16 @@ class _Frame:
     def pack(self, tensor: torch.Tensor) -> _Holder:
         holder = _Holder(self, len(self.weak_holders))
         self.weak_holders.append(weakref.ref(holder))
-        meta = TensorMeta.of(tensor)
-        self.metas.append(meta)
+        self.keys.append(_key(tensor))
         if self.op_names is not None:
-            self.emit("pack", holder.index, self.op_names.current, meta, "dropped")
+            self.emit("pack", holder.index, self.op_names.current, self.meta(holder.index), "dropped")
         return holder
 
     # -- backward ---------------------------------------------------------
     def unpack(self, holder: _Holder) -> torch.Tensor:
         peek = getattr(_thread_state, "peek", None)
         if peek is not None:
-            meta = self.metas[holder.index]
+            meta = self.meta(holder.index)
             peek.last = PackedInfo(self.region, holder.index, meta, holder.unpack_count, self.recompute_count)
             return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
         graph_task = torch._C._current_graph_task_id()
@@ -366,7 +382,7 @@ class _Frame:
         if value is _USED:
             raise CheckpointError(
                 f"checkpoint {self.region}: saved tensor #{holder.index} "
-                f"({self.metas[holder.index]}) was unpacked twice in one backward pass. "
+                f"({self.meta(holder.index)}) was unpacked twice in one backward pass. "
                 "Each recomputed tensor is handed out once and then released. If a custom "
                 "autograd.Function reads ctx.saved_tensors more than once in backward, read it "
                 "once into a local variable."
@@ -390,7 +406,7 @@ class _Frame:
         alive = [i for i, ref in enumerate(self.weak_holders) if ref() is not None]
         last_needed = alive[-1] if alive else -1
         self.emit("recompute", trigger, detail=f"rerunning {self.region} for {len(alive)} of "
-                  f"{len(self.metas)} saved tensors")
+                  f"{len(self.keys)} saved tensors")
         self.recomputed_in.add(graph_task)
         self.recompute_count += 1
         if graph_task >= 0:
@@ -401,26 +417,25 @@ class _Frame:
         def pack_recomputed(tensor: torch.Tensor) -> torch.Tensor:
             index = next(counter)
             detached = tensor.detach() if tensor.requires_grad else tensor
-            if index >= len(self.metas):
+            if index >= len(self.keys):
                 raise CheckpointError(
                     f"checkpoint {self.region}: the recomputation saved more tensors than the "
-                    f"forward pass did (forward saved {len(self.metas)}; extra tensor #{index}: "
+                    f"forward pass did (forward saved {len(self.keys)}; extra tensor #{index}: "
                     f"{TensorMeta.of(tensor)}). {_MISMATCH_CAUSES}"
                 )
-            meta = TensorMeta.of(tensor)
-            if not meta.same_as(self.metas[index]):
+            if _key(tensor) != self.keys[index]:
                 raise CheckpointError(
                     f"checkpoint {self.region}: saved tensor #{index} differs between forward and "
-                    f"recomputation: forward saved {self.metas[index]}, recomputation produced "
-                    f"{meta}. {_MISMATCH_CAUSES}"
+                    f"recomputation: forward saved {self.meta(index)}, recomputation produced "
+                    f"{TensorMeta.of(tensor)}. {_MISMATCH_CAUSES}"
                 )
             holder = self.weak_holders[index]()
             if holder is not None:
                 holder.recomputed[graph_task] = detached
             if self.early_stop and index == last_needed:
-                if index + 1 < len(self.metas):
+                if index + 1 < len(self.keys):
                     self.emit("early_stop", index, detail=f"all needed tensors back; skipped "
-                              f"{len(self.metas) - index - 1} later saves")
+                              f"{len(self.keys) - index - 1} later saves")
                 raise _StopRecomputation
             return detached
 
@@ -437,13 +452,14 @@ class _Frame:
             self._forget(graph_task)
             raise CheckpointError(
                 f"checkpoint {self.region}: the recomputation saved fewer tensors than the forward "
-                f"pass did (forward saved {len(self.metas)}, recomputation {saved}). "
+                f"pass did (forward saved {len(self.keys)}, recomputation {saved}). "
                 f"{_MISMATCH_CAUSES}"
             )
 
     def _rerun(self) -> None:
         inputs = self.load_inputs()
-        args, kwargs = tree_unflatten(self._leaves_with(inputs), self.spec)
+        leaves = self._leaves_with(inputs)
+        args, kwargs = tree_unflatten(leaves, self.spec) if self.spec is not None else (leaves, {})
         rng_context = rng.replay(self.rng_state) if self.rng_state is not None else contextlib.nullcontext()
         recompute_context = self.context_fn()[1] if self.context_fn is not None else contextlib.nullcontext()
         _thread_state.recompute_depth = getattr(_thread_state, "recompute_depth", 0) + 1
@@ -486,6 +502,11 @@ class _Frame:
 
 def _identity(x):
     return x
+
+
+def _key(tensor: torch.Tensor) -> tuple:
+    # What must match between forward and recomputation; cheap enough to take at every pack.
+    return (tensor.shape, tensor.dtype, tensor.device)
 
 
 def _current_node_name() -> str | None:
@@ -579,9 +600,11 @@ def checkpoint(
             "preserve_rng_state=False."
         )
     frame.op_names = None
-    if not frame.metas:
+    if not frame.keys:
         # Nothing was saved, so nothing will ever be recomputed: let the inputs go.
         frame.saved_inputs = None
-    frame.emit("forward_done", detail=f"{len(frame.metas)} saved tensors dropped "
-               f"({sum(m.nbytes for m in frame.metas)} bytes); kept the inputs, RNG and autocast state")
+    if frame.tracing:
+        dropped_bytes = sum(frame.meta(i).nbytes for i in range(len(frame.keys)))
+        frame.emit("forward_done", detail=f"{len(frame.keys)} saved tensors dropped "
+                   f"({dropped_bytes} bytes); kept the inputs, RNG and autocast state")
     return output
