@@ -410,8 +410,12 @@ class _Frame:
         self.recomputed_in.add(graph_task)
         self.recompute_count += 1
         if graph_task >= 0:
-            # Drop whatever this backward did not consume once it finishes.
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._forget(graph_task))
+            # Drop whatever this backward did not consume once it finishes. The callback holds
+            # the frame weakly: a frame (and the inputs it keeps) must die with its graph nodes,
+            # not live on until the end of the whole backward pass.
+            frame_ref = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: _forget_if_alive(frame_ref, graph_task))
         counter = itertools.count()
 
         def pack_recomputed(tensor: torch.Tensor) -> torch.Tensor:
@@ -502,6 +506,12 @@ class _Frame:
 
 def _identity(x):
     return x
+
+
+def _forget_if_alive(frame_ref: "weakref.ReferenceType[_Frame]", graph_task: int) -> None:
+    frame = frame_ref()
+    if frame is not None:
+        frame._forget(graph_task)
 
 
 def _key(tensor: torch.Tensor) -> tuple:

@@ -767,3 +767,18 @@ def test_random_op_chains_match_plain_bitwise(ops, shape, split, dtype):
     ours = grads_of(lambda: run(checkpoint), [x], seed=1)
     assert_bitwise(plain, ours)
     assert not saved_hooks_installed()
+
+
+def test_frame_and_its_inputs_die_during_backward_not_after():
+    # Two checkpoints in a chain: the first one's input (an activation of an earlier op) must be
+    # freed as soon as the first region's backward is done, while the backward still runs.
+    x = torch.randn(1000, requires_grad=True)
+    h = x.exp()
+    h_ref = StorageWeakRef(h.untyped_storage())
+    out = checkpoint(torch.sin, checkpoint(torch.cos, h).exp())
+    del h
+    seen: list[bool] = []
+    x.register_hook(lambda grad: seen.append(h_ref.expired()))
+    out.sum().backward()
+    # ExpBackward of x.exp() saved h itself, so h lives until that node ran; x's hook runs after.
+    assert seen == [True]

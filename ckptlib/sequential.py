@@ -1,0 +1,205 @@
+"""Run a chain of modules under a checkpointing plan: nested ``ckptlib.checkpoint`` calls.
+
+A plan (``ckptlib.schedules``) is a tuple of steps: a layer index runs that
+layer normally; a ``Segment`` runs its layers inside one ``checkpoint`` whose
+function follows the segment's own body, so segments inside it become
+checkpoints nested in it. Autograd then does the whole backward: each frame
+made in the first forward reruns once when backward reaches it, restoring the
+inputs of the frames nested in it, and early stop ends every rerun at its
+last needed tensor. ``Plan.actions`` is that training step written out;
+``tests/test_sequential.py`` checks that counted module calls follow it.
+
+With an int, ``checkpoint_sequential`` is ``torch.utils.checkpoint.checkpoint_sequential``:
+the same segments (``schedules.uniform``), the same outputs and gradients.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence, Union
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ckptlib.checkpoint import checkpoint
+from ckptlib.schedules import LayerCost, Plan, Segment, Step, uniform
+
+__all__ = ["checkpoint_sequential", "measure_layer_costs"]
+
+Modules = Union[nn.Sequential, nn.ModuleList, Sequence[Callable[[Any], Any]]]
+
+
+def checkpoint_sequential(
+    modules: Modules,
+    segments_or_plan: int | Plan,
+    input: Any,
+    *,
+    preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
+) -> Any:
+    """Run ``input`` through ``modules`` in order, checkpointing as ``segments_or_plan`` says.
+
+    Args:
+        modules: an ``nn.Sequential``, an ``nn.ModuleList``, or a list or tuple
+            of modules (or callables); each one's output is the next one's input.
+        segments_or_plan: an int ``k``: as ``torch.utils.checkpoint.checkpoint_sequential``,
+            ``k`` segments of which all but the last are checkpointed
+            (``schedules.uniform(len(modules), k)``); or a ``schedules.Plan``
+            for ``len(modules)`` layers, e.g. ``revolve(len(modules), 3)``.
+        input: the first module's input.
+        preserve_rng_state: passed to every ``checkpoint`` (dropout replays its masks).
+        use_reentrant: accepted for drop-in compatibility; only ``None``/``False``.
+
+    Gradients equal plain autograd's bitwise. In one training step the modules
+    are called ``plan.forward_calls`` times, ``plan.forward_steps`` of them in
+    recomputations.
+
+    >>> import torch, torch.nn as nn
+    >>> from ckptlib.schedules import revolve
+    >>> _ = torch.manual_seed(0)
+    >>> chain = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(6)))
+    >>> x = torch.randn(2, 4, requires_grad=True)
+    >>> checkpoint_sequential(chain, revolve(6, 2), x).sum().backward()
+    >>> checkpointed = x.grad.clone(); x.grad = None
+    >>> chain(x).sum().backward()
+    >>> torch.equal(checkpointed, x.grad)
+    True
+    >>> checkpoint_sequential(chain, 7, x)
+    Traceback (most recent call last):
+    ...
+    ValueError: checkpoint_sequential: segments=7 must be between 1 and the number of modules (6); with k segments, the first k-1 are checkpointed.
+    """
+    layers = _as_layers(modules)
+    plan = _as_plan(segments_or_plan, len(layers))
+    if use_reentrant:
+        raise ValueError("checkpoint_sequential runs ckptlib.checkpoint, which is always non-reentrant; "
+                         "drop use_reentrant=True (or use torch.utils.checkpoint.checkpoint_sequential).")
+    return _run(plan.body, layers, input, preserve_rng_state)
+
+
+def _run(steps: tuple[Step, ...], layers: list[Callable[[Any], Any]], x: Any, preserve_rng_state: bool) -> Any:
+    for step in steps:
+        if isinstance(step, Segment):
+            x = checkpoint(_segment_function(step, layers, preserve_rng_state), x,
+                           preserve_rng_state=preserve_rng_state)
+        else:
+            x = layers[step](x)
+    return x
+
+
+def _segment_function(segment: Segment, layers: list[Callable[[Any], Any]],
+                      preserve_rng_state: bool) -> Callable[[Any], Any]:
+    def run_segment(x: Any) -> Any:
+        return _run(segment.body, layers, x, preserve_rng_state)
+
+    # checkpoint names its region after the function: traces then read "layers[4:8]@12".
+    run_segment.__qualname__ = f"layers[{segment.start}:{segment.stop}]"
+    return run_segment
+
+
+def _as_layers(modules: Modules) -> list[Callable[[Any], Any]]:
+    if isinstance(modules, (nn.Sequential, nn.ModuleList, list, tuple)):
+        layers = list(modules)
+    else:
+        raise TypeError(
+            f"checkpoint_sequential: modules must be an nn.Sequential, an nn.ModuleList or a list of "
+            f"modules, got {type(modules).__name__}. To checkpoint one module, call "
+            "ckptlib.checkpoint(module, x); to split a model, pass its layers as a list."
+        )
+    for position, layer in enumerate(layers):
+        if not callable(layer):
+            raise TypeError(f"checkpoint_sequential: modules[{position}] is not a module or function "
+                            f"(got {type(layer).__name__}); every item must be callable on the previous output.")
+    return layers
+
+
+def _as_plan(segments_or_plan: int | Plan, n: int) -> Plan:
+    if isinstance(segments_or_plan, Plan):
+        if segments_or_plan.n != n:
+            raise ValueError(f"checkpoint_sequential: the plan {segments_or_plan.name} is for "
+                             f"{segments_or_plan.n} layers, but there are {n} modules; build the plan "
+                             f"for n={n}.")
+        return segments_or_plan
+    if isinstance(segments_or_plan, bool) or not isinstance(segments_or_plan, int):
+        raise ValueError(f"checkpoint_sequential: segments must be an int (the number of segments) or a "
+                         f"ckptlib.schedules.Plan, got {segments_or_plan!r} "
+                         f"({type(segments_or_plan).__name__}).")
+    if not 1 <= segments_or_plan <= n:
+        raise ValueError(f"checkpoint_sequential: segments={segments_or_plan} must be between 1 and the "
+                         f"number of modules ({n}); with k segments, the first k-1 are checkpointed.")
+    return uniform(n, segments_or_plan)
+
+
+def measure_layer_costs(modules: Modules, input: Any, *, repeat: int = 3) -> list[LayerCost]:
+    """Measure each layer's ``LayerCost`` (input bytes, saved bytes, forward seconds) on ``input``.
+
+    Each layer runs on a detached copy of the previous layer's output (floating
+    point inputs require grad, as inside a network). ``saved_bytes`` adds up the
+    storages autograd saves for the layer's backward, its input included and its
+    parameters and buffers excluded; ``forward_s`` is the fastest of ``repeat``
+    forward calls with grad enabled. The result feeds ``schedules.plan_for_budget``.
+
+    >>> import torch, torch.nn as nn
+    >>> costs = measure_layer_costs(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), torch.randn(4, 8))
+    >>> [(cost.input_bytes, cost.saved_bytes) for cost in costs]    # 4 x 8 float32 = 128 bytes
+    [(128, 128), (128, 128)]
+    """
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}.")
+    costs = []
+    x = _fresh_input(input)
+    for layer in _as_layers(modules):
+        own = {t.untyped_storage().data_ptr() for t in _state_tensors(layer)}
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in own:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.enable_grad():
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                output = layer(x)
+            seconds = []
+            for _ in range(repeat):
+                _synchronize(output)
+                began = time.perf_counter()
+                layer(x)
+                _synchronize(output)
+                seconds.append(time.perf_counter() - began)
+        costs.append(LayerCost(_storage_bytes(x), sum(saved.values()), min(seconds)))
+        x = _fresh_input(output)
+    return costs
+
+
+def _state_tensors(layer: Any) -> list[torch.Tensor]:
+    if isinstance(layer, nn.Module):
+        return [*layer.parameters(), *layer.buffers()]
+    return []
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _fresh_input(value: Any) -> Any:
+    """``value`` cut from its graph; floating point tensors require grad as activations do."""
+    def fresh(leaf: Any) -> Any:
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        return leaf.detach().requires_grad_(leaf.is_floating_point() or leaf.is_complex())
+
+    return tree_map(fresh, value)
+
+
+def _storage_bytes(value: Any) -> int:
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(value)}
+    return sum(storages.values())
+
+
+def _synchronize(value: Any) -> None:
+    for tensor in _tensors(value):
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+            return
