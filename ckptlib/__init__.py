@@ -41,6 +41,7 @@ _PUBLIC = {
     "autograd_graph": "graph",
     "to_dot": "graph",
     "render_svg": "graph",
+    "trace_modules": "graph",
     "MLPChain": "models",
     "TinyTransformer": "models",
     "MemoryDashboard": "widgets",
