@@ -332,6 +332,9 @@ class _Frame:
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
         self.op_names = _OpNames() if self.tracing else None
+        # For the trace only: which saved tensors free no memory when dropped.
+        self.kept_storages = {t.untyped_storage().data_ptr() for t in tensors} if self.tracing else set()
+        self.freed_bytes = 0
 
     @property
     def region(self) -> str:
@@ -365,7 +368,12 @@ class _Frame:
         self.weak_holders.append(weakref.ref(holder))
         self.keys.append(_key(tensor))
         if self.op_names is not None:
-            self.emit("pack", holder.index, self.op_names.current, self.meta(holder.index), "dropped")
+            meta = self.meta(holder.index)
+            if _aliases_kept_tensor(tensor, self.kept_storages):
+                detail = "dropped, but it is an input, a parameter or a view of one: frees nothing"
+            else:
+                detail, self.freed_bytes = "dropped", self.freed_bytes + meta.nbytes
+            self.emit("pack", holder.index, self.op_names.current, meta, detail)
         return holder
 
     # -- backward ---------------------------------------------------------
@@ -510,6 +518,14 @@ def _identity(x):
     return x
 
 
+def _aliases_kept_tensor(tensor: torch.Tensor, kept_storages: set[int]) -> bool:
+    """Does dropping ``tensor`` free nothing? True for leaves (parameters), views of leaves
+    (``weight.t()``) and anything sharing storage with the checkpoint's inputs, which are kept."""
+    if tensor.is_leaf or (tensor._base is not None and tensor._base.is_leaf):
+        return True
+    return tensor.untyped_storage().data_ptr() in kept_storages
+
+
 def _forget_if_alive(frame_ref: "weakref.ReferenceType[_Frame]", graph_task: int) -> None:
     frame = frame_ref()
     if frame is not None:
@@ -616,7 +632,6 @@ def checkpoint(
         # Nothing was saved, so nothing will ever be recomputed: let the inputs go.
         frame.saved_inputs = None
     if frame.tracing:
-        dropped_bytes = sum(frame.meta(i).nbytes for i in range(len(frame.keys)))
-        frame.emit("forward_done", detail=f"{len(frame.keys)} saved tensors dropped "
-                   f"({dropped_bytes} bytes); kept the inputs, RNG and autocast state")
+        frame.emit("forward_done", detail=f"{len(frame.keys)} saved tensors dropped, {frame.freed_bytes} "
+                   "bytes of activations freed; kept the inputs, RNG and autocast state")
     return output

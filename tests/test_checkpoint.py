@@ -782,3 +782,14 @@ def test_frame_and_its_inputs_die_during_backward_not_after():
     out.sum().backward()
     # ExpBackward of x.exp() saved h itself, so h lives until that node ran; x's hook runs after.
     assert seen == [True]
+
+
+def test_trace_tells_which_dropped_tensors_free_memory():
+    layer = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with record_trace() as trace:
+        checkpoint(layer, torch.randn(3, 4, requires_grad=True))
+    packs = [e for e in trace.events if e.kind == "pack"]
+    frees_nothing = ["frees nothing" in e.detail for e in packs]
+    assert frees_nothing == [True, True, False]  # the input, weight.t(), then relu's own output
+    done = next(e for e in trace.events if e.kind == "forward_done")
+    assert "48 bytes of activations freed" in done.detail  # 3 x 4 float32
