@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckptlib import rng
@@ -335,6 +336,7 @@ class _Frame:
         # For the trace only: which saved tensors free no memory when dropped.
         self.kept_storages = {t.untyped_storage().data_ptr() for t in tensors} if self.tracing else set()
         self.freed_bytes = 0
+        self.counted_storages: dict[int, StorageWeakRef] = {}  # a tensor saved twice frees its bytes once
 
     @property
     def region(self) -> str:
@@ -369,10 +371,15 @@ class _Frame:
         self.keys.append(_key(tensor))
         if self.op_names is not None:
             meta = self.meta(holder.index)
+            storage = tensor.untyped_storage()
+            earlier = self.counted_storages.get(storage.data_ptr())
             if _aliases_kept_tensor(tensor, self.kept_storages):
                 detail = "dropped, but it is an input, a parameter or a view of one: frees nothing"
+            elif earlier is not None and not earlier.expired():
+                detail = "dropped (same storage as an earlier saved tensor: counted once)"
             else:
                 detail, self.freed_bytes = "dropped", self.freed_bytes + meta.nbytes
+                self.counted_storages[storage.data_ptr()] = StorageWeakRef(storage)
             self.emit("pack", holder.index, self.op_names.current, meta, detail)
         return holder
 

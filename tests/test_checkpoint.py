@@ -793,3 +793,14 @@ def test_trace_tells_which_dropped_tensors_free_memory():
     assert frees_nothing == [True, True, False]  # the input, weight.t(), then relu's own output
     done = next(e for e in trace.events if e.kind == "forward_done")
     assert "48 bytes of activations freed" in done.detail  # 3 x 4 float32
+
+
+def test_trace_counts_a_tensor_saved_twice_once():
+    def fn(a, b):
+        e = b.exp()             # exp saves its result e ...
+        return a.sin() * e      # ... and mul saves e again (and sin(a))
+
+    with record_trace() as trace:
+        checkpoint(fn, torch.randn(4, requires_grad=True), torch.randn(4, requires_grad=True))
+    done = next(e for e in trace.events if e.kind == "forward_done")
+    assert "32 bytes of activations freed" in done.detail  # e and sin(a), 16 bytes each
