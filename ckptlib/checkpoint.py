@@ -239,7 +239,14 @@ class _Peek:
         return info
 
 
-_thread_state = threading.local()
+class _ThreadState(threading.local):
+    """Per-thread flags; class attributes are the defaults, so reads never miss."""
+
+    peek: "_Peek | None" = None
+    recompute_depth = 0
+
+
+_thread_state = _ThreadState()
 
 
 @contextlib.contextmanager
@@ -260,7 +267,7 @@ def peek_saved() -> Iterator[_Peek]:
     >>> saved.device.type, info.index, info.recompute_count
     ('meta', 0, 0)
     """
-    previous = getattr(_thread_state, "peek", None)
+    previous = _thread_state.peek
     _thread_state.peek = _Peek()
     try:
         yield _thread_state.peek
@@ -270,7 +277,7 @@ def peek_saved() -> Iterator[_Peek]:
 
 def is_recomputing() -> bool:
     """True while a ckptlib checkpoint is re-running its function in this thread."""
-    return getattr(_thread_state, "recompute_depth", 0) > 0
+    return _thread_state.recompute_depth > 0
 
 
 _USED = object()
@@ -385,7 +392,7 @@ class _Frame:
 
     # -- backward ---------------------------------------------------------
     def unpack(self, holder: _Holder) -> torch.Tensor:
-        peek = getattr(_thread_state, "peek", None)
+        peek = _thread_state.peek
         if peek is not None:
             meta = self.meta(holder.index)
             peek.last = PackedInfo(self.region, holder.index, meta, holder.unpack_count, self.recompute_count)
@@ -483,7 +490,7 @@ class _Frame:
         args, kwargs = tree_unflatten(leaves, self.spec) if self.spec is not None else (leaves, {})
         rng_context = rng.replay(self.rng_state) if self.rng_state is not None else contextlib.nullcontext()
         recompute_context = self.context_fn()[1] if self.context_fn is not None else contextlib.nullcontext()
-        _thread_state.recompute_depth = getattr(_thread_state, "recompute_depth", 0) + 1
+        _thread_state.recompute_depth += 1
         try:
             with rng_context, torch.enable_grad(), _autocast(self.autocast), recompute_context:
                 self.fn(*args, **kwargs)
