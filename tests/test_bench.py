@@ -1,0 +1,270 @@
+"""Tests for ``python -m ckptlib.bench``: it runs end to end at tiny sizes, writes what it says,
+and computes its ratios and fits correctly. Nothing here asserts a timing: performance is
+what the benchmark reports, not what a test can promise on a shared machine."""
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ckptlib import bench
+from ckptlib.bench import (
+    MARKDOWN_BEGIN, MARKDOWN_END, SCHEMA, SUMMARY_KEYS, TINY, BenchError, Group, ProgressBar, Variant,
+    fit_log, fit_power_law, format_bar, format_table, main, median_and_iqr, ratio, selective_tradeoff,
+    summarise_group, to_markdown, write_markdown,
+)
+
+FIGURES = ("memory_vs_depth", "overhead_per_variant", "memory_timeline", "scaling_peak_vs_n",
+           "forward_calls_vs_theory")
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """One ``--quick`` run of the command line (at TINY sizes), with every output flag."""
+    out = tmp_path_factory.mktemp("bench")
+    readme = out / "README.md"
+    readme.write_text(f"# Results\n\nintro\n\n{MARKDOWN_BEGIN}\nSTALE RESULTS\n{MARKDOWN_END}\n\nafterword\n")
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bench, "QUICK", TINY)
+        stdout = io.StringIO()
+        patch.setattr("sys.stdout", stdout)
+        try:
+            # One thread: tiny ops gain nothing from two, and a busy machine slows them a lot.
+            code = main(["--quick", "--threads", "1", "--clock", "cpu", "--no-progress",
+                         "--json", str(out / "results" / "cpu.json"),
+                         "--markdown", str(readme), "--figures", str(out / "figures")])
+        finally:
+            torch.set_num_threads(threads)
+    return {"code": code, "out": out, "stdout": stdout.getvalue(),
+            "summary": json.loads((out / "results" / "cpu.json").read_text())}
+
+
+# -- end to end ----------------------------------------------------------------
+
+
+def test_cli_writes_table_json_markdown_and_figures(cli_run):
+    out = cli_run["out"]
+    assert cli_run["code"] == 0
+    assert "Per-block checkpointing" in cli_run["stdout"] and "Targets" in cli_run["stdout"]
+    assert sorted(p.name for p in (out / "figures").iterdir()) == sorted(
+        f"{name}.{suffix}" for name in FIGURES for suffix in ("png", "svg"))
+    assert all(p.stat().st_size > 1000 for p in (out / "figures").iterdir())
+    readme = (out / "README.md").read_text()
+    assert readme.startswith("# Results\n\nintro\n\n" + MARKDOWN_BEGIN) and readme.endswith(MARKDOWN_END + "\n\nafterword\n")
+    assert "STALE RESULTS" not in readme and "| `ckptlib` |" in readme
+
+
+def test_json_schema(cli_run):
+    summary = cli_run["summary"]
+    assert tuple(summary) == SUMMARY_KEYS and summary["schema"] == SCHEMA
+    environment = summary["environment"]
+    assert (environment["device"], environment["meter"], environment["clock"], environment["threads"]) == (
+        "cpu", "tensors", "cpu", 1)
+    assert summary["meter_agreement"] is None                 # only measured on CUDA
+    groups = summary["groups"]
+    assert list(groups["blocks"]["variants"]) == ["plain", "torch", "ckptlib", "sqrt", "plain_metered",
+                                                  "plain_metered_timeline"]
+    assert set(groups["selective"]["tradeoffs"]) == {"torch_save_matmuls", "ckptlib_save_matmuls", "ckptlib_megatron"}
+    for group in groups.values():
+        for name, variant in group["variants"].items():
+            assert len(variant["times_s"]) == TINY.rounds
+            assert variant["median_s"] > 0 and variant["iqr_s"] >= 0
+            if name.startswith("plain_metered"):
+                assert variant["peak_bytes"] is None           # timed only: the meter's own cost
+            else:
+                assert isinstance(variant["peak_bytes"], int) and variant["peak_bytes"] > 0
+    scaling = summary["scaling"]
+    assert scaling["ns"] == list(TINY.scaling_ns) and set(scaling["modes"]) == {"plain", "sqrt", "recursive"}
+    for record in scaling["modes"].values():
+        assert set(record["power_fit"]) == {"exponent", "coefficient", "r2"}
+        assert all(len(record[key]) == len(TINY.scaling_ns) for key in ("peak_bytes", "forward_calls"))
+    for target in summary["targets"]:
+        assert set(target) == {"name", "source", "value", "op", "threshold", "met"} and target["op"] in ("<=", ">=")
+
+
+def test_ratios_in_the_json_follow_from_its_measurements(cli_run):
+    groups = cli_run["summary"]["groups"]
+    blocks = groups["blocks"]["variants"]
+    plain = blocks["plain"]
+    for variant in blocks.values():
+        assert variant["median_s"] == median_and_iqr(variant["times_s"])[0]
+        per_round = [t / p for t, p in zip(variant["times_s"], plain["times_s"])]
+        assert (variant["time_vs_plain"], variant["time_vs_plain_iqr"]) == median_and_iqr(per_round)
+    assert blocks["ckptlib"]["memory_vs_plain"] == pytest.approx(blocks["ckptlib"]["peak_bytes"] / plain["peak_bytes"])
+    pair = groups["blocks"]["pairs"]["ckptlib_vs_torch"]
+    assert pair["memory"] == pytest.approx(blocks["ckptlib"]["peak_bytes"] / blocks["torch"]["peak_bytes"])
+    assert cli_run["summary"]["meter_overhead"]["peak"] == blocks["plain_metered"]["time_vs_plain"]
+
+
+def test_checkpointing_lowers_the_measured_peak(cli_run):
+    """The meter is exact, so this holds at any size: recomputing keeps less than plain."""
+    variants = cli_run["summary"]["groups"]["blocks"]["variants"]
+    assert variants["ckptlib"]["peak_bytes"] < variants["plain"]["peak_bytes"]
+    assert variants["torch"]["peak_bytes"] < variants["plain"]["peak_bytes"]
+    scaling = cli_run["summary"]["scaling"]["modes"]
+    assert scaling["sqrt"]["peak_bytes"][-1] < scaling["plain"]["peak_bytes"][-1]
+
+
+def test_counted_forward_calls_match_the_plans(cli_run):
+    for name, record in cli_run["summary"]["scaling"]["modes"].items():
+        assert record["forward_calls"] == record["plan_forward_calls"], name
+    plain = cli_run["summary"]["scaling"]["modes"]["plain"]
+    assert plain["forward_calls"] == list(TINY.scaling_ns)
+
+
+def test_from_json_reports_a_saved_run(cli_run, tmp_path, capsys):
+    markdown = tmp_path / "results.md"
+    assert main(["--from-json", str(cli_run["out"] / "results" / "cpu.json"), "--markdown", str(markdown)]) == 0
+    assert capsys.readouterr().out.startswith("ckptlib.bench on cpu")
+    assert markdown.read_text() == f"{MARKDOWN_BEGIN}\n\n{to_markdown(cli_run['summary'])}\n{MARKDOWN_END}\n"
+
+
+def test_from_json_refuses_figures_and_other_schemas(tmp_path):
+    stale = tmp_path / "old.json"
+    stale.write_text(json.dumps({"schema": "ckptlib.bench/0"}))
+    with pytest.raises(SystemExit, match="schema 'ckptlib.bench/0'"):
+        main(["--from-json", str(stale)])
+    with pytest.raises(SystemExit, match="--figures needs a fresh run"):
+        main(["--from-json", str(stale), "--figures", str(tmp_path)])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when there is no CUDA")
+def test_cuda_without_a_gpu_fails_clearly():
+    with pytest.raises(SystemExit, match="--device cuda: no CUDA device is available"):
+        main(["--device", "cuda", "--quick"])
+
+
+def test_bad_arguments_fail_clearly():
+    with pytest.raises(SystemExit, match="--device tpu"):
+        main(["--device", "tpu"])
+    with pytest.raises(SystemExit, match="--rounds 0"):
+        main(["--rounds", "0"])
+    with pytest.raises(SystemExit, match="--threads 0"):
+        main(["--threads", "0"])
+    with pytest.raises(SystemExit):
+        main(["--clock", "sundial"])
+
+
+def test_run_refuses_a_device_it_cannot_measure():
+    with pytest.raises(BenchError, match="'cpu' or 'cuda'"):
+        bench.run(TINY, "meta", progress=None)
+    with pytest.raises(BenchError, match="cuda"):
+        bench.run(replace(TINY, clock="cpu"), "cuda", progress=None)   # no CUDA here, or a CPU clock
+
+
+# -- pure functions ---------------------------------------------------------------
+
+
+def test_ratio_and_statistics():
+    assert ratio(3, 4) == 0.75 and ratio(1, 0) is None and ratio(None, 1) is None
+    assert median_and_iqr([5.0]) == (5.0, 0.0)
+    assert median_and_iqr([4.0, 1.0, 3.0, 2.0]) == (2.5, 1.5)
+    with pytest.raises(ValueError):
+        median_and_iqr([])
+
+
+def test_summarise_group_from_given_numbers():
+    group = Group("g", "title", "model", [Variant("plain", "p", None, None), Variant("torch", "t", None, None),
+                                          Variant("ckptlib", "c", None, None), Variant("ckptlib_sel", "s", None, None)],
+                  pairs={"ckptlib_vs_torch": ("ckptlib", "torch")}, tradeoffs={"ckptlib_sel": "ckptlib"})
+    peaks = {"plain": 1000, "torch": 400, "ckptlib": 300, "ckptlib_sel": 650}
+    times = {"plain": [1.0, 1.2, 0.8], "torch": [2.0, 2.0, 2.0], "ckptlib": [1.6, 1.5, 1.7],
+             "ckptlib_sel": [1.2, 1.1, 1.3]}
+    record = summarise_group(group, peaks, times)
+    variants = record["variants"]
+    assert variants["plain"]["memory_vs_plain"] == 1.0 and variants["plain"]["time_vs_plain"] == 1.0
+    assert variants["ckptlib"]["memory_vs_plain"] == 0.3
+    # time ratios are medians of per-round ratios: torch 2, 1.67, 2.5; ckptlib 1.6, 1.25, 2.125
+    assert variants["torch"]["time_vs_plain"] == 2.0 and variants["ckptlib"]["time_vs_plain"] == 1.6
+    assert variants["ckptlib"]["median_s"] == 1.6 and variants["ckptlib"]["iqr_s"] == pytest.approx(0.1)
+    assert record["pairs"]["ckptlib_vs_torch"] == {"numerator": "ckptlib", "denominator": "torch",
+                                                   "memory": 0.75, "time": 0.8}
+    # per-round ckptlib/torch: 0.8, 0.75, 0.85; kept (1000-650)/(1000-300) = 0.5 of the saving,
+    # paid (1.2-1)/(1.6-1) = 1/3 of the extra time (per-round selective/plain: 1.2, 0.92, 1.63)
+    assert record["tradeoffs"]["ckptlib_sel"] == {"full": "ckptlib", "saving_kept": 0.5,
+                                                  "extra_time_paid": pytest.approx(1 / 3)}
+
+
+def test_selective_tradeoff_edge_cases():
+    assert selective_tradeoff((100, 1.0), (100, 1.0), (90, 1.0)) == {"saving_kept": None, "extra_time_paid": None}
+    assert selective_tradeoff((100, 1.0), (50, 2.0), (50, 2.0)) == {"saving_kept": 1.0, "extra_time_paid": 1.0}
+
+
+def test_power_law_fit_recovers_the_exponent_from_noisy_data():
+    rng = random.Random(0)
+    ns = [16, 32, 64, 128, 256]
+    values = [3e5 * n ** 0.5 * (1 + rng.uniform(-0.02, 0.02)) for n in ns]
+    fit = fit_power_law(ns, values)
+    assert fit["exponent"] == pytest.approx(0.5, abs=0.02)
+    assert fit["coefficient"] == pytest.approx(3e5, rel=0.1)
+    assert fit["r2"] > 0.99
+    linear = fit_power_law(ns, [7 * n for n in ns])
+    assert linear["exponent"] == pytest.approx(1.0) and linear["r2"] == pytest.approx(1.0)
+
+
+def test_log_fit_tells_log_growth_from_square_root_growth():
+    ns = [16, 32, 64, 128, 256]
+    logarithmic = [1000 + 50 * math.log2(n) for n in ns]
+    assert fit_log(ns, logarithmic)["per_doubling"] == pytest.approx(50)
+    assert fit_log(ns, logarithmic)["r2"] == pytest.approx(1.0)
+    assert fit_log(ns, [100 * n ** 0.5 for n in ns])["r2"] < 0.97
+    assert fit_power_law(ns, logarithmic)["exponent"] < 0.1
+
+
+@pytest.mark.parametrize("ns, values", [([16], [1.0]), ([16, 16], [1.0, 2.0]), ([0, 16], [1.0, 2.0]),
+                                        ([16, 32], [1.0])])
+def test_fits_reject_what_they_cannot_fit(ns, values):
+    with pytest.raises(ValueError):
+        fit_power_law(ns, values)
+
+
+# -- formatting ---------------------------------------------------------------------
+
+
+def test_format_bar():
+    assert format_bar(0, 10, "start", width=10) == "[----------]   0%  0/10 start"
+    assert format_bar(10, 10, width=10, elapsed_s=125) == "[##########] 100% 10/10 02:05"
+    assert format_bar(0, 0, width=4) == "[####] 100% 0/0"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_redraws_on_a_terminal_and_writes_few_lines_to_a_log():
+    log = io.StringIO()
+    bar = ProgressBar(100, stream=log)
+    for _ in range(100):
+        bar.advance("x")
+    bar.close()
+    lines = log.getvalue().splitlines()
+    assert len(lines) == 11 and lines[-1].startswith("[" + "#" * 24 + "] 100% 100/100")
+    terminal = _Terminal()
+    bar = ProgressBar(3, stream=terminal)
+    for _ in range(3):
+        bar.advance("y")
+    bar.close()
+    assert terminal.getvalue().count("\r") == 3 and terminal.getvalue().endswith("\n")
+
+
+def test_format_table_aligns_columns():
+    table = format_table(["name", "value"], [["a", 1], ["long name", None]])
+    assert table.splitlines() == ["name       value", "---------  -----", "a              1", "long name"]
+
+
+def test_write_markdown_appends_then_replaces(tmp_path, cli_run):
+    path = tmp_path / "README.md"
+    path.write_text("# Bench\n")
+    write_markdown(path, cli_run["summary"])
+    first = path.read_text()
+    assert first.startswith("# Bench\n\n" + MARKDOWN_BEGIN) and first.endswith(MARKDOWN_END + "\n")
+    write_markdown(path, cli_run["summary"])
+    assert path.read_text() == first
