@@ -82,6 +82,9 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--allow-root",
          f"--LabApp.user_settings_dir={root / 'settings'}", f"--LabApp.workspaces_dir={root / 'workspaces'}"],
         stdout=log, stderr=subprocess.STDOUT, cwd=root,
+        # One torch thread per kernel: on a 2-core machine a thread pool fighting Chromium
+        # makes each training step an order of magnitude slower.
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

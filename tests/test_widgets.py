@@ -1,0 +1,236 @@
+"""MemoryDashboard without a browser: set the controls' values, run, read history, labels and plot data."""
+from __future__ import annotations
+
+import threading
+
+import matplotlib.pyplot as plt
+import pytest
+
+from ckptlib.models import MLPChain, TinyTransformer
+from ckptlib.widgets import MemoryDashboard
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+RECORD_KEYS = {"checkpointing", "schedule", "depth", "batch", "peak_bytes", "step_s", "loss", "device"}
+
+
+@pytest.fixture
+def dashboard():
+    dashboard = MemoryDashboard(depth=4, batch=4, device="cpu")
+    yield dashboard
+    dashboard.close()
+
+
+def test_toggle_and_schedule_say_the_same_thing(dashboard):
+    assert dashboard.schedule.value == "none" and not dashboard.checkpointing.value
+    assert {"none", "per block", "per block (torch)"} <= set(dashboard.schedule.options)
+    dashboard.checkpointing.value = True
+    assert dashboard.schedule.value == "per block"
+    dashboard.schedule.value = "per block (torch)"
+    dashboard.checkpointing.value = False
+    assert dashboard.schedule.value == "none"
+    dashboard.checkpointing.value = True          # back on: the schedule chosen last time
+    assert dashboard.schedule.value == "per block (torch)"
+    dashboard.schedule.value = "none"
+    assert not dashboard.checkpointing.value
+
+
+def test_run_records_each_step_and_checkpointing_lowers_the_peak(dashboard):
+    off = dashboard.run(steps=2)
+    dashboard.checkpointing.value = True
+    on = dashboard.run(steps=1)
+    assert dashboard.history == off + on and len(dashboard.history) == 3
+    for record in dashboard.history:
+        assert set(record) == RECORD_KEYS
+        assert (record["depth"], record["batch"], record["device"]) == (4, 4, "cpu")
+        assert record["step_s"] > 0 and record["peak_bytes"] > 0
+    assert [r["schedule"] for r in dashboard.history] == ["none", "none", "per block"]
+    assert [r["checkpointing"] for r in dashboard.history] == [False, False, True]
+    # The live-tensor meter is exact, so identical steps have identical peaks ...
+    assert off[0]["peak_bytes"] == off[1]["peak_bytes"]
+    # ... and all three settings compute the same loss.
+    assert off[0]["loss"] == off[1]["loss"] == on[0]["loss"]
+    assert on[0]["peak_bytes"] <= 0.7 * off[0]["peak_bytes"]
+
+
+def test_readout_plot_and_plot_data_describe_the_latest_step(dashboard):
+    dashboard.run(steps=1)
+    off_peak = dashboard.history[-1]["peak_bytes"]
+    assert dashboard.readout.value.startswith(
+        f"step 1 · checkpointing off, depth 4, batch 4: peak {off_peak / 2**20:.2f} MiB, ")
+    assert "vs off" not in dashboard.readout.value
+    dashboard.checkpointing.value = True
+    dashboard.run(steps=1)
+    on_peak = dashboard.history[-1]["peak_bytes"]
+    saving = 1 - on_peak / off_peak
+    assert f"vs off: {off_peak / 2**20:.2f} MiB, {saving:.0%} less memory" in dashboard.readout.value
+
+    timeline = dashboard.timeline_data
+    assert [entry.index for entry in timeline] == list(range(len(timeline)))
+    assert {entry.phase for entry in timeline} == {"forward", "backward", "recompute"}
+    assert max(entry.live_bytes for entry in timeline) == on_peak
+    assert dashboard.peaks_data == {"checkpointing off, depth 4, batch 4": off_peak,
+                                    "per block, depth 4, batch 4": on_peak}
+    assert bytes(dashboard.plot.value).startswith(PNG_SIGNATURE)
+    assert dashboard.message.value == ""
+
+
+def test_peaks_data_lists_the_most_recently_run_setting_last(dashboard):
+    dashboard.batch.value = 1
+    dashboard.run(steps=1)
+    dashboard.checkpointing.value = True
+    dashboard.run(steps=1)
+    dashboard.checkpointing.value = False
+    dashboard.run(steps=1)
+    assert list(dashboard.peaks_data) == ["per block, depth 4, batch 1", "checkpointing off, depth 4, batch 1"]
+
+
+def test_a_settings_change_without_an_off_run_asks_for_one(dashboard):
+    dashboard.checkpointing.value = True
+    dashboard.run(steps=1)
+    assert dashboard.readout.value.endswith("run once with checkpointing off to compare")
+
+
+def test_depth_slider_rebuilds_the_default_model(dashboard):
+    dashboard.depth.value = 2
+    dashboard.run(steps=1)
+    dashboard.depth.value = 3
+    dashboard.run(steps=1)
+    assert [r["depth"] for r in dashboard.history] == [2, 3]
+    assert len(dashboard._model.blocks) == 3
+    assert dashboard.history[1]["peak_bytes"] > dashboard.history[0]["peak_bytes"]
+
+
+def test_a_model_passed_in_keeps_its_depth():
+    model = MLPChain(depth=3, width=32)
+    dashboard = MemoryDashboard(model, batch=2)
+    assert dashboard.depth.value == 3 and dashboard.depth.disabled
+    assert dashboard.device.type == "cpu"
+    [record] = dashboard.run(steps=1)
+    assert record["depth"] == 3 and dashboard._model is model
+    dashboard.close()
+
+
+def test_batch_zero_is_a_message_not_a_traceback(dashboard):
+    dashboard.batch.value = 0
+    assert dashboard.run() == []
+    assert dashboard.message.value.startswith("Batch is 0")
+    assert dashboard.history == [] and not dashboard.run_button.disabled
+
+
+def test_a_step_above_the_memory_limit_stops_with_a_message_and_checkpointing_fits(dashboard):
+    dashboard.run(steps=1)
+    off_peak = dashboard.history[-1]["peak_bytes"]
+    dashboard.checkpointing.value = True
+    dashboard.run(steps=1)
+    on_peak = dashboard.history[-1]["peak_bytes"]
+    dashboard.memory_limit_bytes = (off_peak + on_peak) // 2
+
+    dashboard.checkpointing.value = False
+    assert dashboard.run(steps=2) == []
+    assert dashboard.message.value.startswith("Does not fit (checkpointing off, depth 4, batch 4)")
+    assert "Turn checkpointing on" in dashboard.message.value
+    assert len(dashboard.history) == 2 and not dashboard.run_button.disabled
+
+    dashboard.checkpointing.value = True
+    assert len(dashboard.run(steps=1)) == 1
+    assert dashboard.message.value == ""
+
+
+def test_a_runtime_error_in_the_step_is_reported_and_the_next_run_works():
+    model = TinyTransformer(depth=2, d_model=32, heads=2, seq=16, vocab=50)
+    dashboard = MemoryDashboard(model, batch=2)
+    step = model.training_step
+
+    def failing_step(batch=None):
+        raise RuntimeError("CUDA error: device-side assert triggered\n(more lines)")
+
+    model.training_step = failing_step
+    assert dashboard.run(steps=3) == []
+    assert dashboard.message.value == ("The step failed (checkpointing off, depth 2, batch 2): "
+                                       "RuntimeError: CUDA error: device-side assert triggered")
+    assert not dashboard.run_button.disabled
+    model.training_step = step
+    assert len(dashboard.run(steps=1)) == 1
+    dashboard.close()
+
+
+def test_clicks_and_toggles_during_a_run_neither_nest_nor_change_it():
+    model = TinyTransformer(depth=2, d_model=32, heads=2, seq=16, vocab=50)
+    dashboard = MemoryDashboard(model, batch=2)
+    step = model.training_step
+    seen_during_run = []
+
+    def step_that_clicks(batch=None):
+        # What a learner does mid-run: click Run again and flip the toggle.
+        seen_during_run.append((dashboard.run_button.disabled, dashboard.run()))
+        dashboard.run_button.click()
+        dashboard.checkpointing.value = not dashboard.checkpointing.value
+        return step(batch)
+
+    model.training_step = step_that_clicks
+    records = dashboard.run(steps=2)
+    model.training_step = step
+    # Two steps, each metered and timed: four calls, none of which started a run.
+    assert seen_during_run == [(True, [])] * 4
+    assert dashboard.message.value.startswith("A run is in progress")
+    assert [r["schedule"] for r in records] == ["none", "none"]
+    assert dashboard.history == records
+    # Four flips leave the toggle off; the next run uses whatever the controls say then.
+    dashboard.checkpointing.value = True
+    assert [r["schedule"] for r in dashboard.run(steps=1)] == ["per block"]
+    dashboard.close()
+
+
+def test_a_run_from_another_thread_is_not_interleaved():
+    model = TinyTransformer(depth=2, d_model=32, heads=2, seq=16, vocab=50)
+    dashboard = MemoryDashboard(model, batch=2)
+    step = model.training_step
+    started, release = threading.Event(), threading.Event()
+
+    def slow_step(batch=None):
+        started.set()
+        assert release.wait(timeout=30)
+        return step(batch)
+
+    model.training_step = slow_step
+    worker = threading.Thread(target=dashboard.run, kwargs={"steps": 2})
+    worker.start()
+    assert started.wait(timeout=30)
+    assert dashboard.run(steps=1) == []
+    assert dashboard.run_button.disabled
+    release.set()
+    worker.join(timeout=60)
+    assert not worker.is_alive()
+    assert len(dashboard.history) == 2 and not dashboard.run_button.disabled
+    dashboard.close()
+
+
+def test_fifty_rapid_toggles_leak_no_figures_or_threads(dashboard):
+    figures, threads = plt.get_fignums(), threading.active_count()
+    for flip in range(50):
+        dashboard.checkpointing.value = not dashboard.checkpointing.value
+        if flip % 10 == 0:
+            dashboard.batch.value = 1 + flip % 3
+            dashboard.run(steps=1)
+    assert len(dashboard.history) == 5
+    assert dashboard.checkpointing.value is False and dashboard.schedule.value == "none"
+    assert plt.get_fignums() == figures
+    assert threading.active_count() == threads
+    assert not dashboard.run_button.disabled
+
+
+def test_run_rejects_a_step_count_below_one(dashboard):
+    with pytest.raises(ValueError, match=r"run\(steps=0\): steps must be at least 1"):
+        dashboard.run(steps=0)
+
+
+def test_display_gives_the_widget_view_and_a_stable_text(dashboard):
+    bundle = dashboard._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/plain"] == "MemoryDashboard(checkpointing off, depth 4, batch 4, on cpu)"
+
+
+def test_close_closes_every_widget():
+    dashboard = MemoryDashboard(depth=2, batch=2)
+    dashboard.close()
+    assert dashboard.widget.comm is None and dashboard.run_button.comm is None
