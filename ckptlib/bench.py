@@ -96,7 +96,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from ckptlib.memory import MemoryMeter, TimelineEntry, format_bytes
 from ckptlib.models import MLPChain, TinyTransformer
 from ckptlib.offload import offload_saved_tensors
-from ckptlib.policies import megatron_attention, save_matmuls, selective_checkpoint
+from ckptlib.policies import megatron_attention, policy_from_costs, save_matmuls, selective_checkpoint
 from ckptlib.schedules import Plan, recursive, sqrt_n
 
 __all__ = [
@@ -434,6 +434,13 @@ def _torch_selective(ops: list, block: nn.Module, x: torch.Tensor) -> torch.Tens
     return torch_checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
 
 
+def _cost_policy(size: TransformerSize, device: torch.device) -> Any:
+    """A policy chosen from one block's measured op costs: cache at most 40% of its activations."""
+    model = size.build(device)
+    x = torch.randn(size.batch, size.seq, size.d_model, device=device, requires_grad=True)
+    return policy_from_costs(model.blocks[0], x, memory_ratio=0.4)
+
+
 def _torch_save_on_cpu(device: torch.device) -> ContextManager:
     # pin_memory makes the device-to-host copies asynchronous, as ckptlib.offload does on CUDA.
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
@@ -465,10 +472,12 @@ def _groups(config: Config, device: torch.device) -> list[Group]:
                 _with_runner(size.build(device), partial(_ckptlib_selective, save_matmuls)), batch),
         Variant("ckptlib_megatron", "ckptlib selective, Megatron attention",
                 _with_runner(size.build(device), partial(_ckptlib_selective, megatron_attention)), batch),
+        Variant("ckptlib_cost_policy", "ckptlib selective, policy from measured op costs",
+                _with_runner(size.build(device), partial(_ckptlib_selective, _cost_policy(size, device))), batch),
     ], pairs={"ckptlib_vs_torch": ("ckptlib", "torch"),
               "ckptlib_vs_torch_save_matmuls": ("ckptlib_save_matmuls", "torch_save_matmuls")},
         tradeoffs={"torch_save_matmuls": "torch", "ckptlib_save_matmuls": "ckptlib",
-                   "ckptlib_megatron": "ckptlib"})
+                   "ckptlib_megatron": "ckptlib", "ckptlib_cost_policy": "ckptlib"})
 
     size = config.blocks
     plain = size.build(device)
@@ -754,7 +763,7 @@ def _seed_claims(results: dict[str, Any]) -> dict[str, Any]:
     measured = []
     for group, name in (("blocks", "ckptlib"), ("blocks", "torch"), ("blocks", "sqrt"),
                         ("selective", "ckptlib"), ("selective", "ckptlib_save_matmuls"),
-                        ("selective", "ckptlib_megatron")):
+                        ("selective", "ckptlib_megatron"), ("selective", "ckptlib_cost_policy")):
         variant = results[group]["variants"][name]
         measured.append({"variant": f"{group}/{name}", "label": variant["label"],
                          "memory_saving": 1 - variant["memory_vs_plain"],
@@ -779,7 +788,7 @@ def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         _target("live-tensor meter: metered/unmetered step time", "issue 3",
                 summary["meter_overhead"]["peak"], "<=", 1.5),
     ]
-    for name in ("ckptlib_save_matmuls", "ckptlib_megatron", "torch_save_matmuls"):
+    for name in ("ckptlib_save_matmuls", "ckptlib_megatron", "ckptlib_cost_policy", "torch_save_matmuls"):
         tradeoff = groups["selective"]["tradeoffs"][name]
         targets += [
             _target(f"{name}: share of full checkpointing's saving kept", "issue 7", tradeoff["saving_kept"], ">=", 0.5),

@@ -328,12 +328,18 @@ class _Frame:
         self.tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[i] for i in self.tensor_positions]
         self.other_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        self.input_versions = [t._version for t in tensors]
+        # The originals, weakly, with their versions: an in-place change to one of them after
+        # forward would make the rerun compute from different values. (What comes back from
+        # saved_inputs may be a copy made by a pack hook, e.g. CPU offload, with its own version.)
+        self.input_versions = [(weakref.ref(t), t._version) for t in tensors]
         self.saved_inputs: Callable[[], list[torch.Tensor]] | None = _save_inputs(tensors)
         self.rng_state = rng.capture(tensors) if preserve_rng_state else None
         self.autocast = _autocast_state()
         self.early_stop = early_stop
-        self.context_fn = context_fn
+        # context_fn is called once: its two contexts may share state (selective checkpointing's
+        # cache), and the recompute context is entered again for every rerun.
+        self.forward_context, self.recompute_context = (
+            context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext()))
         self.debug = debug
         self.weak_holders: list[weakref.ReferenceType[_Holder]] = []
         self.keys: list[tuple] = []  # (shape, dtype, device) of each saved tensor, in pack order
@@ -489,10 +495,9 @@ class _Frame:
         leaves = self._leaves_with(inputs)
         args, kwargs = tree_unflatten(leaves, self.spec) if self.spec is not None else (leaves, {})
         rng_context = rng.replay(self.rng_state) if self.rng_state is not None else contextlib.nullcontext()
-        recompute_context = self.context_fn()[1] if self.context_fn is not None else contextlib.nullcontext()
         _thread_state.recompute_depth += 1
         try:
-            with rng_context, torch.enable_grad(), _autocast(self.autocast), recompute_context:
+            with rng_context, torch.enable_grad(), _autocast(self.autocast), self.recompute_context:
                 self.fn(*args, **kwargs)
         finally:
             _thread_state.recompute_depth -= 1
@@ -501,12 +506,13 @@ class _Frame:
         if self.saved_inputs is None:  # pragma: no cover - only when nothing was saved
             raise CheckpointError(f"checkpoint {self.region}: inputs were released")
         inputs = self.saved_inputs()
-        for position, (tensor, version) in enumerate(zip(inputs, self.input_versions)):
-            if tensor._version != version:
+        for position, (original_ref, version) in enumerate(self.input_versions):
+            original = original_ref()
+            if original is not None and original._version != version:
                 raise CheckpointError(
                     f"checkpoint {self.region}: input tensor #{position} "
-                    f"({TensorMeta.of(tensor)}) was modified in place after the checkpointed "
-                    f"forward (version {version} -> {tensor._version}); recomputing from it would "
+                    f"({TensorMeta.of(original)}) was modified in place after the checkpointed "
+                    f"forward (version {version} -> {original._version}); recomputing from it would "
                     "give wrong activations. Clone the input before modifying it, or modify a copy."
                 )
         return inputs
@@ -629,10 +635,9 @@ def checkpoint(
         return fn(*args, **kwargs)
 
     frame = _Frame(fn, args, kwargs, preserve_rng_state, early_stop, context_fn, debug)
-    forward_context = context_fn()[0] if context_fn is not None else contextlib.nullcontext()
     op_names = frame.op_names if frame.op_names is not None else contextlib.nullcontext()
     cuda_was_up = torch.cuda.is_initialized()
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), forward_context, op_names:
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), frame.forward_context, op_names:
         output = fn(*args, **kwargs)
     if preserve_rng_state and not cuda_was_up and torch.cuda.is_initialized():
         raise CheckpointError(

@@ -71,7 +71,8 @@ def test_json_schema(cli_run):
     groups = summary["groups"]
     assert list(groups["blocks"]["variants"]) == ["plain", "torch", "ckptlib", "sqrt", "plain_metered",
                                                   "plain_metered_timeline"]
-    assert set(groups["selective"]["tradeoffs"]) == {"torch_save_matmuls", "ckptlib_save_matmuls", "ckptlib_megatron"}
+    assert set(groups["selective"]["tradeoffs"]) == {"torch_save_matmuls", "ckptlib_save_matmuls", "ckptlib_megatron",
+                                                      "ckptlib_cost_policy"}
     for group in groups.values():
         for name, variant in group["variants"].items():
             assert len(variant["times_s"]) == TINY.rounds

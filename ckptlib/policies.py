@@ -1,0 +1,700 @@
+"""Selective checkpointing: keep the outputs of chosen ops, recompute the rest.
+
+Full checkpointing drops every activation of a region and reruns the whole
+region in backward. Selective checkpointing (PyTorch's "SAC",
+``torch.utils.checkpoint.create_selective_checkpoint_contexts``) keeps a few
+op outputs through the forward pass and, in the rerun, hands those back instead
+of computing them again. The choice of ops is the *policy*: keep outputs that
+are expensive to compute and cheap to store (a matmul: many flops per byte),
+recompute the ones that are cheap and big (the ``batch x heads x seq x seq``
+attention scores).
+
+Design notes
+============
+
+Two dispatch modes. ``selective_checkpoint`` is ``ckptlib.checkpoint`` with a
+``context_fn`` that returns two ``TorchDispatchMode``\\ s sharing one cache.
+A dispatch mode sees every aten op *below* autograd (``torch.mm``,
+``F.linear`` and ``x @ w`` all arrive as ``aten.mm``/``aten.addmm``):
+
+* forward, :class:`SaveChosenOps`: run each op; if the policy says save, put
+  its output in the cache.
+* recomputation, :class:`ReplaySavedOps`: for an op whose output is cached,
+  return the cached output instead of running the op; run every other op.
+
+The cache. Outputs are kept per op overload and call position: the 3rd
+``aten.mm`` of the rerun is handed the output of the 3rd ``aten.mm`` of the
+forward (if the policy chose that call). Keying on the op as well as the
+position means that an op which the checkpoint machinery itself adds in only
+one of the two runs (``aten.detach``) cannot shift the others. A replayed
+entry also checks that its inputs have the shapes the forward saw, so a rerun
+that took another path raises ``CheckpointError`` instead of handing out the
+wrong tensor. ``ckptlib.checkpoint`` asks ``context_fn`` for fresh contexts in
+forward and before every recomputation, so ``selective_checkpoint`` makes one
+cache per call and hands it to every mode it creates.
+
+What is never cached, whatever the policy says:
+
+* views (``view``, ``t``, ``expand``, ``detach`` ...) and ops whose output
+  shares an input's storage (``_unsafe_view``): they cost nothing to redo, and
+  in the rerun they must alias the *recomputed* tensor, not the forward's;
+* ops that modify a tensor in place (``relu_``, ``div_``), unless random (below):
+  replaying one means copying its result into the tensor, as costly as the op,
+  and skipping it would leave the tensor unmodified.
+
+Random ops (``bernoulli_`` in dropout, ``randn``, ``native_dropout``). The
+checkpoint replays the RNG state, so a random op *rerun* draws the same numbers
+as in forward. A random op *replayed* from the cache draws nothing, which would
+shift the generator for every later random op of the rerun. So a cached random
+op also stores the generator's state right after it, and the replay sets the
+generator to that state: every later draw is as in forward. An in-place random
+op (dropout's ``bernoulli_`` fills a fresh tensor, then ``div_`` scales it in
+place) caches a private copy of the filled tensor and replays by copying it
+back. Random ops are rerun instead when there is no RNG replay to rely on
+(``preserve_rng_state=False``), when the op uses an explicit ``generator=`` or
+a device whose generator we do not handle (other than CPU and CUDA).
+
+Modified after saving. Each cached tensor remembers its version counter. If
+something later modifies it in place (``y = x @ w; y.relu_()``), the cached
+value is not the op's output any more: the forward mode drops such entries when
+the forward pass ends, and a replay that finds a changed version reruns the op.
+
+When the cache is freed. The cache holds what autograd would otherwise keep as
+saved tensors, so it follows their lifetime:
+
+* a backward that frees the graph (the default, ``retain_graph=False``) empties
+  the cache when its rerun ends: the replayed tensors now belong to the
+  recomputed saved tensors, each released after its single use, and whatever
+  the rerun did not reach (early stop) is dropped;
+* a backward with ``retain_graph=True`` leaves the cache whole, so the next
+  backward replays it again (``torch``'s SAC raises an error here instead);
+* a graph dropped without any backward frees the cache with it: only the
+  checkpoint's frame, which the graph owns, refers to the cache.
+
+A replay that finds its entry gone (``torch.autograd.grad`` on part of a graph
+without ``retain_graph``, then another backward through the rest) reruns the
+op, which is correct because the rerun's inputs are correct: the cache only
+ever saves time, it is never the only source of a value.
+
+>>> import torch
+>>> x = torch.randn(8, 8, requires_grad=True)
+>>> w = torch.randn(8, 8, requires_grad=True)
+>>> layer = lambda a, b: (a @ b).tanh() @ b
+>>> selective_checkpoint(layer, x, w, policy=save_matmuls).sum().backward()
+>>> torch.equal(w.grad, torch.autograd.grad(layer(x, w).sum(), w)[0])
+True
+"""
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Collection, Mapping, NamedTuple, Union
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ckptlib.checkpoint import CheckpointError, checkpoint
+
+__all__ = [
+    "selective_checkpoint", "selective_contexts", "Policy", "SaveChosenOps", "ReplaySavedOps",
+    "save_matmuls", "megatron_attention", "ATTENTION_CORE_OPS",
+    "OpCall", "OpCost", "CostProfile", "CostPolicy", "measure_op_costs", "choose_ops", "policy_from_costs",
+]
+
+aten = torch.ops.aten
+
+Policy = Union[Callable[..., bool], Collection[Union[OpOverload, OpOverloadPacket]]]
+"""``policy(op, *args, **kwargs) -> bool`` (save this op's output?), or a collection of
+ops to save (an ``OpOverload`` such as ``aten.mm.default`` matches that overload, an
+``OpOverloadPacket`` such as ``aten.mm`` all of its overloads)."""
+
+
+# ---------------------------------------------------------------------------
+# What kind of op is it? (decided from the op's schema, the same in both runs)
+# ---------------------------------------------------------------------------
+
+_VIEW, _MUTATING, _PLAIN, _RANDOM, _RANDOM_IN_PLACE = "view", "mutating", "plain", "random", "random in place"
+_CACHEABLE_KINDS = (_PLAIN, _RANDOM, _RANDOM_IN_PLACE)
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of an immutable op: memoised for speed
+def _op_kind(func: OpOverload) -> str:
+    if func.is_view:
+        return _VIEW
+    random = torch.Tag.nondeterministic_seeded in func.tags
+    if func._schema.is_mutable:
+        return _RANDOM_IN_PLACE if random and _modifies_only_self(func) else _MUTATING
+    return _RANDOM if random else _PLAIN
+
+
+def _modifies_only_self(func: OpOverload) -> bool:
+    """``bernoulli_(self, ...) -> self``: one written argument, the first, returned."""
+    arguments = func._schema.arguments
+    written = [a for a in arguments if a.alias_info is not None and a.alias_info.is_write]
+    return written == [arguments[0]] and len(func._schema.returns) == 1
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or outputs (tensors, nested in lists and tuples).
+    Much faster than ``torch.utils._pytree``, and this runs for every op."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(fn, item) for item in value)
+    return value
+
+
+def _storages(value: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in _tensors(value)}
+
+
+def _shares_input_storage(output: Any, args: tuple) -> bool:
+    return not _storages(output).isdisjoint(_storages(args))
+
+
+def _default_generator(tensor: torch.Tensor) -> torch.Generator | None:
+    if tensor.device.type == "cpu":
+        return torch.default_generator
+    if tensor.device.type == "cuda":
+        index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return None
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor object on the same memory, with no autograd history.
+
+    The cache must not hold the op's output object itself: autograd attaches
+    the output's ``grad_fn`` to it, and the graph owns the cache, a reference
+    cycle. We run below autograd, where ``detach`` would not share the version
+    counter; re-enabling the ADInplaceOrView key makes it share, so in-place
+    changes to the output stay visible to the cache (as in torch's SAC).
+    """
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()
+
+
+# ---------------------------------------------------------------------------
+# One cached op output, and the cache of one selective checkpoint call
+# ---------------------------------------------------------------------------
+
+
+def _shapes(args: tuple) -> tuple[torch.Size, ...]:
+    return tuple(t.shape for t in _tensors(args))
+
+
+def _versions(value: Any) -> tuple[int, ...]:
+    return tuple(t._version for t in _tensors(value))
+
+
+@dataclass
+class _Saved:
+    """The output of one op call, kept from forward to recomputation."""
+
+    value: Any                         # the output, detached; a private copy for an in-place op
+    versions: tuple[int, ...]          # version counters when saved; a change = modified since
+    input_shapes: tuple[torch.Size, ...]
+    in_place: bool
+    generator: torch.Generator | None = None     # for a random op: its generator, and the
+    generator_state: torch.Tensor | None = None  # generator's state right after the op
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in _tensors(self.value))
+
+    def is_stale(self) -> bool:
+        return _versions(self.value) != self.versions
+
+    def replay(self, args: tuple) -> Any:
+        if self.generator is not None:
+            self.generator.set_state(self.generator_state)
+        if self.in_place:
+            return args[0].copy_(self.value)
+        return _map_tensors(_detached, self.value)
+
+
+def _save(func: OpOverload, kind: str, args: tuple, kwargs: dict, output: Any,
+          replay_random: bool) -> _Saved | None:
+    """Make the cache entry for one op call, or ``None`` where caching it would be wrong
+    or useless (see "What is never cached" in the notes above). ``kind`` is cacheable."""
+    if kind == _PLAIN:
+        if _shares_input_storage(output, args):
+            return None
+        return _Saved(_map_tensors(_detached, output), _versions(output), _shapes(args), False)
+    explicit_generator = any(isinstance(a, torch.Generator) for a in (*args, *kwargs.values()))
+    generator = _default_generator(_tensors(output)[0])
+    if not replay_random or explicit_generator or generator is None:
+        return None
+    value = args[0].clone() if kind == _RANDOM_IN_PLACE else _map_tensors(_detached, output)
+    return _Saved(value, _versions(value), _shapes(args), kind == _RANDOM_IN_PLACE,
+                  generator, generator.get_state())
+
+
+class _OpCache:
+    """What one selective checkpoint call keeps: per op overload, its number of calls in
+    forward and the saved outputs by call position."""
+
+    def __init__(self, replay_random: bool) -> None:
+        self.replay_random = replay_random
+        self.calls: Counter[OpOverload] = Counter()
+        self.saved: dict[OpOverload, dict[int, _Saved]] = {}
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the cache holds now (each storage once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for by_position in self.saved.values() for saved in by_position.values()
+                    for t in _tensors(saved.value)}
+        return sum(storages.values())
+
+    def drop_stale(self) -> None:
+        for by_position in self.saved.values():
+            for position in [p for p, saved in by_position.items() if saved.is_stale()]:
+                del by_position[position]
+
+    def take(self, func: OpOverload, position: int, args: tuple, consume: bool) -> _Saved | None:
+        """The entry for call ``position`` of ``func``, if saved; ``consume`` forgets it
+        (nothing will replay it again), so it dies with the last tensor that uses it."""
+        if position >= self.calls[func]:
+            raise CheckpointError(
+                f"selective checkpoint: the recomputation called {func} {position + 1} times, the "
+                f"forward pass only {self.calls[func]} times, so the cached outputs no longer match "
+                "the ops. The checkpointed function must run the same ops in both passes: no "
+                "branches on random numbers, time, global flags or train/eval mode changed in between."
+            )
+        by_position = self.saved[func]
+        saved = by_position.pop(position, None) if consume else by_position.get(position)
+        if saved is not None and _shapes(args) != saved.input_shapes:
+            raise CheckpointError(
+                f"selective checkpoint: call #{position} of {func} got inputs of shapes "
+                f"{[list(shape) for shape in _shapes(args)]} in the recomputation but "
+                f"{[list(shape) for shape in saved.input_shapes]} in the forward pass, so its cached "
+                "output does not belong to this call. Make the checkpointed function run the same "
+                "ops on the same shapes in both passes."
+            )
+        return saved
+
+    def release(self) -> None:
+        self.saved.clear()
+
+
+# ---------------------------------------------------------------------------
+# The two dispatch modes (their __torch_dispatch__ runs for every op: kept lean)
+# ---------------------------------------------------------------------------
+
+
+def _as_predicate(policy: Policy) -> Callable[[OpOverload, tuple, dict], bool]:
+    if isinstance(policy, (OpOverload, OpOverloadPacket)):
+        policy = {policy}
+    if callable(policy):
+        return lambda func, args, kwargs: bool(policy(func, *args, **kwargs))
+    if isinstance(policy, (str, bytes)) or not isinstance(policy, Collection):
+        raise TypeError(f"policy must be a callable policy(op, *args, **kwargs) -> bool or a collection "
+                        f"of aten ops such as {{torch.ops.aten.mm.default}}, got {type(policy).__name__}.")
+    ops = frozenset(policy)
+    for op in ops:
+        if not isinstance(op, (OpOverload, OpOverloadPacket)):
+            raise TypeError(f"policy contains {op!r} ({type(op).__name__}), which is not an aten op; "
+                            "use ops like torch.ops.aten.mm.default or torch.ops.aten.mm (all overloads), "
+                            "not torch.mm or strings.")
+    return lambda func, args, kwargs: func in ops or func.overloadpacket in ops
+
+
+class SaveChosenOps(TorchDispatchMode):
+    """Forward mode: run every op, and cache the outputs of those the policy chooses."""
+
+    def __init__(self, policy: Policy, cache: _OpCache) -> None:
+        super().__init__()
+        self.should_save = _as_predicate(policy)
+        self.cache = cache
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        kind = _op_kind(func)
+        if kind in _CACHEABLE_KINDS:
+            position = self.cache.calls[func]
+            self.cache.calls[func] += 1
+            if self.should_save(func, args, kwargs):
+                saved = _save(func, kind, args, kwargs, output, self.cache.replay_random)
+                if saved is not None:
+                    self.cache.saved.setdefault(func, {})[position] = saved
+        return output
+
+    def __exit__(self, *exc_info):
+        self.cache.drop_stale()
+        return super().__exit__(*exc_info)
+
+
+class ReplaySavedOps(TorchDispatchMode):
+    """Recomputation mode: hand back cached outputs in forward order, run every other op.
+
+    May be entered once per recomputation (``retain_graph=True`` backwards):
+    each entry counts calls from zero again.
+    """
+
+    def __init__(self, cache: _OpCache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.calls: Counter[OpOverload] = Counter()
+        self.consume = False
+
+    def __enter__(self):
+        self.calls.clear()
+        self.consume = _backward_frees_graph()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.cache.saved:    # no call of this op was saved (or the cache is released)
+            return func(*args, **kwargs)
+        position = self.calls[func]
+        self.calls[func] += 1
+        saved = self.cache.take(func, position, args, self.consume)
+        if saved is None or saved.is_stale():
+            return func(*args, **kwargs)
+        return saved.replay(args)
+
+    def __exit__(self, *exc_info):
+        if self.consume:
+            self.cache.release()
+        return super().__exit__(*exc_info)
+
+
+def _backward_frees_graph() -> bool:
+    """True inside a backward pass that was not asked to ``retain_graph``."""
+    return (torch._C._current_graph_task_id() != -1
+            and not torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def selective_contexts(policy: Policy, *, replay_random: bool = True) -> tuple[SaveChosenOps, ReplaySavedOps]:
+    """A fresh ``(forward_context, recompute_context)`` pair sharing one empty cache.
+
+    This is the ``context_fn`` protocol of ``torch.utils.checkpoint``, so the pair
+    also works there: ``context_fn=functools.partial(selective_contexts, save_matmuls)``.
+    With ``ckptlib.checkpoint`` use :func:`selective_checkpoint` instead: it asks
+    ``context_fn`` again before each recomputation, which would hand the rerun a
+    new, empty cache (correct gradients, nothing replayed).
+    ``replay_random=False`` reruns random ops instead of replaying them (needed
+    when the checkpoint does not replay the RNG state).
+
+    >>> forward_mode, recompute_mode = selective_contexts(save_matmuls)
+    >>> forward_mode.cache is recompute_mode.cache
+    True
+    """
+    cache = _OpCache(replay_random)
+    return SaveChosenOps(policy, cache), ReplaySavedOps(cache)
+
+
+def selective_checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    policy: Policy,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+    debug: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """``ckptlib.checkpoint(fn, *args, **kwargs)`` that keeps the outputs of the ops ``policy`` chooses.
+
+    Args:
+        fn, args, kwargs: as for :func:`ckptlib.checkpoint`.
+        policy: which ops to keep: a collection of aten ops (``save_matmuls``) or
+            ``policy(op, *args, **kwargs) -> bool``, called in forward with each op and
+            its inputs (``megatron_attention``, the result of :func:`policy_from_costs`).
+            Every other op is recomputed in backward.
+        preserve_rng_state, early_stop, debug: as for :func:`ckptlib.checkpoint`.
+
+    Gradients equal plain autograd bitwise; ``retain_graph=True`` works.
+
+    >>> import torch
+    >>> x = torch.randn(4, 8, requires_grad=True)
+    >>> w = torch.randn(8, 8, requires_grad=True)
+    >>> def block(inp):
+    ...     return torch.nn.functional.dropout((inp @ w).relu(), 0.5) @ w
+    >>> torch.manual_seed(0)
+    <torch._C.Generator object at ...>
+    >>> expected = torch.autograd.grad(block(x).sum(), w)[0]
+    >>> torch.manual_seed(0)
+    <torch._C.Generator object at ...>
+    >>> selective_checkpoint(block, x, policy={torch.ops.aten.mm}).sum().backward()
+    >>> torch.equal(w.grad, expected)
+    True
+    """
+    # One cache per call. ckptlib.checkpoint asks context_fn for its contexts in
+    # forward and again before each recomputation, so every call of this
+    # context_fn must hand out modes over the *same* cache.
+    cache = _OpCache(replay_random=preserve_rng_state)
+
+    def context_fn() -> tuple[SaveChosenOps, ReplaySavedOps]:
+        return SaveChosenOps(policy, cache), ReplaySavedOps(cache)
+
+    return checkpoint(fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop,
+                      debug=debug, context_fn=context_fn, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Ready policies
+# ---------------------------------------------------------------------------
+
+save_matmuls: frozenset[OpOverload] = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+})
+"""Keep every matrix product. ``F.linear``, ``torch.matmul`` and ``@`` reach the
+dispatcher as these four ops (``linear`` and ``matmul`` are decomposed before it).
+The same ops as PyTorch's usual SAC example, so ``list(save_matmuls)`` can be
+passed to ``create_selective_checkpoint_contexts`` for a side-by-side run."""
+
+ATTENTION_CORE_OPS: frozenset[OpOverloadPacket] = frozenset({
+    aten.bmm, aten.baddbmm,                       # q @ k^T and weights @ v
+    aten._softmax, aten._safe_softmax,            # softmax over the scores
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_cudnn_attention,
+})
+"""The attention core by op: batched matmuls (in a Transformer only attention uses
+them: a linear layer is ``mm``/``addmm`` on the flattened tokens), softmax, and
+the fused attention kernels."""
+
+
+def megatron_attention(op: OpOverload, *args: Any, **kwargs: Any) -> bool:
+    """Keep everything except the attention core (Korthikanti et al. 2022, Megatron-LM).
+
+    The core is recomputed: the ops in :data:`ATTENTION_CORE_OPS` (``q @ k^T``,
+    softmax, ``weights @ v``, fused attention kernels) and every op that reads a
+    *per-head* tensor, one with 4 or more dims (``batch x heads x seq x seq``
+    scores, ``batch x heads x seq x d_head`` queries, keys and values): the
+    scaling, the causal mask, the attention dropout and the copies made for the
+    batched matmuls. Everything else is kept: layer norms, linear layers, GELU,
+    residual adds and the residual dropouts, all on ``batch x seq x d_model``
+    tensors. The saved memory is the ``O(seq^2)`` scores; the price is the
+    attention's share of the flops, small when ``d_model`` is large. It keeps a
+    lot (every output outside the core, even ones autograd itself would not
+    save), so it pays off where the scores dominate: long sequences, many heads.
+
+    Written for Transformers: in a model with other 4-d tensors (images), the
+    dims rule also recomputes those.
+
+    >>> scores = torch.zeros(2, 4, 16, 16)
+    >>> megatron_attention(torch.ops.aten._softmax.default, scores, -1, False)
+    False
+    >>> megatron_attention(torch.ops.aten.addmm.default, torch.zeros(8), torch.zeros(4, 8), torch.zeros(8, 8))
+    True
+    """
+    if op.overloadpacket in ATTENTION_CORE_OPS:
+        return False
+    return all(t.dim() < 4 for t in _tensors((args, tuple(kwargs.values()))))
+
+
+# ---------------------------------------------------------------------------
+# A policy from measurements: time saved per byte kept
+# ---------------------------------------------------------------------------
+#
+# An op type is too coarse a unit: in a Transformer block the four linears are
+# all aten.addmm, yet fc2 (1024 -> 256) does four times the flops per byte
+# of output of the others, and the last op before the end of the block is never
+# rerun at all (early stop ends the recomputation at the last saved tensor).
+# So costs are kept per *call signature*: the op and the shapes of its tensor
+# inputs. The blocks of a model share their signatures, so one block's profile
+# is a policy for all of them.
+
+
+class OpCall(NamedTuple):
+    """An op and the shapes of its tensor inputs: the unit a cost policy saves."""
+
+    op: OpOverload
+    input_shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, op: OpOverload, args: tuple) -> "OpCall":
+        return cls(op, tuple(tuple(shape) for shape in _shapes(args)))
+
+    def __str__(self) -> str:
+        shapes = ", ".join("x".join(map(str, shape)) or "scalar" for shape in self.input_shapes)
+        return f"{self.op}({shapes})"
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """What caching the outputs of one call signature would cost and save, per forward pass."""
+
+    calls: int
+    time_s: float        # time of the calls a recomputation would run: what replaying them saves
+    output_bytes: int    # what caching their outputs would keep alive
+
+    @property
+    def seconds_per_byte(self) -> float:
+        return self.time_s / self.output_bytes if self.output_bytes else 0.0
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Per call signature costs of one function, and the bytes plain autograd saves for it."""
+
+    ops: Mapping[OpCall, OpCost]
+    activation_bytes: int   # what autograd saves in a plain forward (what full checkpointing drops)
+
+    def __str__(self) -> str:
+        rows = [f"{'op and input shapes':64s} {'calls':>5s} {'ms':>7s} {'MiB':>7s} {'ms/MiB':>7s}"]
+        for call, cost in sorted(self.ops.items(), key=lambda item: (-item[1].time_s, str(item[0]))):
+            rows.append(f"{str(call)[:64]:64s} {cost.calls:5d} {cost.time_s * 1e3:7.2f} "
+                        f"{cost.output_bytes / 2**20:7.2f} {cost.seconds_per_byte * 2**20 * 1e3:7.2f}")
+        rows.append(f"activations saved by plain autograd: {self.activation_bytes / 2**20:.2f} MiB")
+        return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class CostPolicy:
+    """Save exactly the chosen call signatures (a policy for :func:`selective_checkpoint`)."""
+
+    chosen: frozenset[OpCall]
+    budget_bytes: int
+    used_bytes: int
+
+    def __call__(self, op: OpOverload, *args: Any, **kwargs: Any) -> bool:
+        return OpCall.of(op, args) in self.chosen
+
+    def __str__(self) -> str:
+        calls = "".join(f"\n  {call}" for call in sorted(map(str, self.chosen)))
+        return f"CostPolicy: {self.used_bytes} of {self.budget_bytes} bytes, saving{calls or ' nothing'}"
+
+
+class _OpTimer(TorchDispatchMode):
+    """Times every cacheable op call and counts the bytes its cache entry would hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[OpCall, float, int, int]] = []  # call, seconds, bytes, packs before it
+        self.created: set[int] = set()     # storages made inside the function
+        self.saved_storages: dict[int, int] = {}
+        self.packs = 0
+
+    def count_saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Pack hook: autograd saves ``tensor`` (kept as is; counted once per storage)."""
+        storage = tensor.untyped_storage()
+        self.saved_storages[storage.data_ptr()] = storage.nbytes()
+        self.packs += 1
+        return tensor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packs_before = self.packs
+        start = time.perf_counter()
+        output = func(*args, **kwargs)
+        elapsed_s = time.perf_counter() - start
+        self.created |= _storages(output)
+        kind = _op_kind(func)
+        if kind in _CACHEABLE_KINDS:
+            saved = _save(func, kind, args, kwargs, output, replay_random=True)
+            if saved is not None:
+                self.records.append((OpCall.of(func, args), elapsed_s, saved.nbytes, packs_before))
+        return output
+
+    def costs(self) -> dict[OpCall, OpCost]:
+        """Per call signature: calls, time of the calls a rerun reaches, output bytes.
+
+        A call is rerun if autograd saved something after it began: the rerun
+        stops at the last saved tensor, before any op that starts later.
+        """
+        calls, time_s, output_bytes = Counter(), Counter(), Counter()
+        for call, elapsed_s, nbytes, packs_before in self.records:
+            calls[call] += 1
+            output_bytes[call] += nbytes
+            time_s[call] += elapsed_s if packs_before < self.packs else 0.0
+        return {call: OpCost(calls[call], time_s[call], output_bytes[call]) for call in calls}
+
+
+def measure_op_costs(fn: Callable[..., Any], *args: Any, repeats: int = 3, **kwargs: Any) -> CostProfile:
+    """Run ``fn(*args, **kwargs)`` with autograd, as in training, ``1 + repeats`` times and
+    measure per call signature the time (median over the repeats; the first run warms up)
+    and the bytes of the outputs; and the bytes autograd saves.
+
+    >>> x = torch.randn(64, 64, requires_grad=True)
+    >>> profile = measure_op_costs(lambda t: (t @ t).relu(), x, repeats=1)
+    >>> [str(call) for call in profile.ops]
+    ['aten.mm.default(64x64, 64x64)', 'aten.relu.default(64x64)']
+    >>> profile.ops[OpCall(torch.ops.aten.mm.default, ((64, 64), (64, 64)))].output_bytes
+    16384
+    >>> profile.activation_bytes    # relu's output; x is an input, not an activation
+    16384
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}.")
+    runs = []
+    for _ in range(1 + repeats):
+        timer = _OpTimer()
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(timer.count_saved, _identity), timer:
+            output = fn(*args, **kwargs)
+        # `output` keeps the graph alive, so no saved storage was freed and its address reused.
+        activation_bytes = sum(n for ptr, n in timer.saved_storages.items() if ptr in timer.created)
+        del output
+        runs.append(timer.costs())
+    timed = runs[1:]
+    ops = {call: OpCost(cost.calls, statistics.median(run[call].time_s for run in timed), cost.output_bytes)
+           for call, cost in timed[-1].items()}
+    return CostProfile(ops, activation_bytes)
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def choose_ops(profile: CostProfile, budget_bytes: int) -> CostPolicy:
+    """The call signatures to keep: most time saved per byte first, while their outputs fit
+    in ``budget_bytes`` (one that does not fit is skipped; a smaller one after it may fit).
+    Pure and deterministic: ties go by name; calls that save no time are never kept.
+
+    >>> mm, gelu, add = (OpCall(op, ((8, 8),)) for op in (aten.mm.default, aten.gelu.default, aten.add.Tensor))
+    >>> profile = CostProfile({mm: OpCost(4, 0.040, 4000), gelu: OpCost(2, 0.004, 4000),
+    ...                        add: OpCost(2, 0.001, 2000)}, activation_bytes=12000)
+    >>> print(choose_ops(profile, budget_bytes=6000))
+    CostPolicy: 6000 of 6000 bytes, saving
+      aten.add.Tensor(8x8)
+      aten.mm.default(8x8)
+    """
+    ranked = sorted(profile.ops.items(), key=lambda item: (-item[1].seconds_per_byte, str(item[0])))
+    chosen, used_bytes = set(), 0
+    for call, cost in ranked:
+        if cost.time_s > 0 and used_bytes + cost.output_bytes <= budget_bytes:
+            chosen.add(call)
+            used_bytes += cost.output_bytes
+    return CostPolicy(frozenset(chosen), budget_bytes, used_bytes)
+
+
+def policy_from_costs(fn: Callable[..., Any], *args: Any, memory_ratio: float | None = None,
+                      budget_bytes: int | None = None, repeats: int = 3, **kwargs: Any) -> CostPolicy:
+    """Measure ``fn`` (:func:`measure_op_costs`) and keep the call signatures that save the
+    most recomputation time per byte, within a byte budget: ``budget_bytes``, or
+    ``memory_ratio`` times the activations plain autograd saves for ``fn`` (``0.4``: cache
+    at most 40% of what full checkpointing drops). Give exactly one of the two.
+
+    Profile one block with its real input; the policy then serves every block of that shape.
+
+    >>> x = torch.randn(64, 64, requires_grad=True)
+    >>> policy = policy_from_costs(lambda t: (t @ t).relu(), x, memory_ratio=1.0, repeats=1)
+    >>> len(policy.chosen)   # relu's output is the one activation: room for mm's or relu's, not both
+    1
+    """
+    if (memory_ratio is None) == (budget_bytes is None):
+        raise ValueError("policy_from_costs needs exactly one budget: memory_ratio (a fraction of the "
+                         "activations plain autograd saves) or budget_bytes.")
+    if memory_ratio is not None and not (0 <= memory_ratio and math.isfinite(memory_ratio)):
+        raise ValueError(f"memory_ratio must be a finite number >= 0, got {memory_ratio}.")
+    profile = measure_op_costs(fn, *args, repeats=repeats, **kwargs)
+    if budget_bytes is None:
+        budget_bytes = int(memory_ratio * profile.activation_bytes)
+    return choose_ops(profile, budget_bytes)
