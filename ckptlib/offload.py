@@ -110,7 +110,9 @@ class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, tensor: torch.Tensor) -> Any:
         if not _frees_device_memory(tensor):
             self.kept_count += 1
-            return tensor
+            # detach(): stored as is, a saved *output* would hold its own grad_fn, a reference
+            # cycle that outlives the graph when no backward runs. Unpack re-attaches autograd.
+            return tensor.detach()
         pinned = self.pin_memory and tensor.device.type == "cuda"
         self.offloaded_bytes += tensor.nbytes
         return (tensor.device, _host_copy(tensor, pinned), pinned)

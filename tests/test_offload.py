@@ -151,3 +151,19 @@ def test_cuda_offload_to_pinned_memory(monkeypatch):
     out.pow(2).sum().backward()
     assert hooks.offloaded_bytes == 2 * x.nbytes                 # the two checkpoint inputs
     assert_bitwise_equal([x.grad, *(p.grad for p in mlp.parameters())], expected)
+
+
+def test_kept_tensors_do_not_outlive_a_graph_dropped_without_backward():
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from ckptlib.offload import offload_saved_tensors
+
+    x = torch.randn(1000, requires_grad=True)
+    with offload_saved_tensors():
+        y = x.exp()  # exp saves its own output: kept on CPU
+    ref = StorageWeakRef(y.untyped_storage())
+    del y
+    gc.collect()
+    assert ref.expired(), "the saved output kept itself alive through its grad_fn"
