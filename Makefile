@@ -7,7 +7,7 @@ NOTEBOOK ?= notebooks/00_welcome_and_setup.ipynb
 # JupyterLab refuses to run as root without this flag (containers, CI).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: setup lab test test-lib test-notebooks figures bench clean check-python
+.PHONY: setup lab test test-lib test-notebooks figures bench clean check-python slides site
 
 setup: $(STAMP)
 
@@ -43,6 +43,14 @@ figures: setup
 
 bench: setup
 	$(BIN)/python -m ckptlib.bench --json benchmarks/results/cpu.json
+
+# Offline reveal.js decks and the static course site (see tools/classroom.py); the first run
+# installs the pinned browser assets with `npm ci --prefix tools` (needs Node.js and npm).
+slides: setup
+	$(BIN)/python tools/classroom.py slides build/slides
+
+site: setup
+	$(BIN)/python tools/classroom.py site build/site
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -3,12 +3,19 @@
     python tools/nb.py build SRC.py OUT.ipynb   # percent-format script -> notebook (no outputs)
     python tools/nb.py export NB.ipynb SRC.py   # notebook -> percent-format script, for editing
     python tools/nb.py run NB.ipynb [...]       # execute in a fresh kernel, save outputs in place
+    python tools/nb.py meta NB.ipynb [...]      # recompute slide / nbgrader metadata in place
 
 Percent format: a line ``# %%`` starts a code cell, ``# %% [markdown]`` a markdown cell (its
 lines start with ``# ``). Options after the marker set cell metadata:
 ``slide=slide|subslide|fragment|skip|notes`` (RISE / reveal.js slide type) and
-``tags=a,b`` (e.g. ``tags=exercise`` or ``tags=self-check``; nbgrader-style grading
-metadata is derived from those two tags).
+``tags=a,b`` (e.g. ``tags=exercise`` or ``tags=self-check``). A cell without ``slide=``
+continues the current slide (``slide_type: "-"``).
+
+Grading (nbgrader cell metadata, derived from the tags): an exercise cell is a manually graded
+answer worth one point; its self-check is a locked, read-only cell, because a self-check prints
+"not attempted yet" instead of failing and so cannot be an autograder test. Grade ids are
+``exercise-K`` / ``exercise-K-check`` (K counts exercises in the notebook), the same in a
+notebook and its solutions.
 """
 from __future__ import annotations
 
@@ -24,21 +31,31 @@ KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ckptlib)", "language
 MARKER = re.compile(r"^# %%(?:\s+\[(?P<kind>markdown)\])?(?P<options>.*)$")
 
 
-def _metadata(options: str, cell_id: str) -> dict:
-    meta: dict = {}
+def _metadata(options: str) -> dict:
+    meta: dict = {"slideshow": {"slide_type": "-"}}
     for key, value in re.findall(r"(\w+)=([\w,-]+)", options):
         if key == "slide":
             meta["slideshow"] = {"slide_type": value}
         elif key == "tags":
             meta["tags"] = value.split(",")
-    tags = meta.get("tags", [])
-    if "exercise" in tags:
-        meta["nbgrader"] = {"grade": False, "solution": True, "locked": False, "task": False,
-                            "schema_version": 3, "grade_id": cell_id}
-    elif "self-check" in tags:
-        meta["nbgrader"] = {"grade": True, "solution": False, "locked": True, "points": 1,
-                            "task": False, "schema_version": 3, "grade_id": cell_id}
     return meta
+
+
+def normalise(nb: nbformat.NotebookNode) -> None:
+    """Slide type on every cell; nbgrader metadata from the exercise / self-check tags."""
+    exercise = 0
+    for cell in nb.cells:
+        cell.metadata.setdefault("slideshow", {"slide_type": "-"})
+        tags = cell.metadata.get("tags", [])
+        cell.metadata.pop("nbgrader", None)
+        if "exercise" in tags:
+            exercise += 1
+            cell.metadata["nbgrader"] = {"grade": True, "solution": True, "locked": False, "points": 1,
+                                         "task": False, "schema_version": 3, "grade_id": f"exercise-{exercise}"}
+        elif "self-check" in tags:
+            cell.metadata["nbgrader"] = {"grade": False, "solution": False, "locked": True, "task": False,
+                                         "schema_version": 3, "grade_id": f"exercise-{exercise}-check"}
+    nb.metadata["kernelspec"] = KERNELSPEC
 
 
 def build(src: Path, out: Path) -> None:
@@ -54,7 +71,7 @@ def build(src: Path, out: Path) -> None:
             cell = nbformat.v4.new_markdown_cell(text, id=cell_id)
         else:
             cell = nbformat.v4.new_code_cell(text, id=cell_id)
-        cell.metadata.update(_metadata(options, cell_id))
+        cell.metadata.update(_metadata(options))
         cells.append(cell)
 
     for line in src.read_text().splitlines():
@@ -66,7 +83,7 @@ def build(src: Path, out: Path) -> None:
             lines.append(line)
     flush()
     nb = nbformat.v4.new_notebook(cells=cells)
-    nb.metadata["kernelspec"] = KERNELSPEC
+    normalise(nb)
     nb.metadata["language_info"] = {"name": "python"}
     nbformat.write(nb, out)
 
@@ -103,6 +120,11 @@ if __name__ == "__main__":
         build(Path(paths[0]), Path(paths[1]))
     elif command == "export":
         export(Path(paths[0]), Path(paths[1]))
+    elif command == "meta":
+        for path in paths:
+            nb = nbformat.read(path, as_version=4)
+            normalise(nb)
+            nbformat.write(nb, path)
     elif command == "run":
         for path in paths:
             print(f"{path}: {run(Path(path)):.1f} s")

@@ -1,0 +1,165 @@
+"""The course as a classroom uses it: notebook structure, gradeable exercises, the static site.
+
+Every notebook: learning goals at the top, a summary at the end, slide metadata on every cell,
+a solutions notebook beside it, and at least two exercises each followed by its self-check,
+with nbgrader cell metadata an instructor can collect and grade. The site `make site` builds
+opens offline: every link and asset in it resolves to a file (and anchor) inside it.
+"""
+from __future__ import annotations
+
+import doctest
+import os
+import re
+import sys
+from pathlib import Path
+
+import jsonschema
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import classroom  # noqa: E402  (tools/ is not a package)
+
+NOTEBOOKS = classroom.notebooks()
+SOLUTIONS = classroom.solutions()
+SLIDE_TYPES = {"slide", "subslide", "fragment", "skip", "notes", "-"}
+# nbgrader's cell metadata schema, version 3 (nbgrader/nbgraderformat/v3.json).
+NBGRADER_V3 = {
+    "type": "object",
+    "properties": {
+        "schema_version": {"type": "integer", "minimum": 3, "maximum": 3},
+        "grade": {"type": "boolean"},
+        "locked": {"type": "boolean"},
+        "solution": {"type": "boolean"},
+        "task": {"type": "boolean"},
+        "grade_id": {"type": "string", "pattern": r"^[a-zA-Z0-9_\-]*$"},
+        "points": {"type": "number", "minimum": 0},
+        "checksum": {"type": "string", "minLength": 32, "maxLength": 32},
+        "cell_type": {"type": "string", "enum": ["raw", "code", "markdown"]},
+    },
+    "required": ["schema_version", "grade", "locked", "solution"],
+    "additionalProperties": False,
+}
+
+
+def read(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def tags(cell: nbformat.NotebookNode) -> list[str]:
+    return cell.metadata.get("tags", [])
+
+
+def by_stem(paths: list[Path]) -> list:
+    return [pytest.param(path, id=path.stem) for path in paths]
+
+
+def test_every_notebook_has_its_solutions_and_no_solutions_are_orphans():
+    assert NOTEBOOKS, "no notebooks/NN_topic.ipynb found"
+    expected = {f"{notebook.stem}_solutions" for notebook in NOTEBOOKS}
+    found = {solution.stem for solution in SOLUTIONS}
+    assert expected - found == set(), "notebooks without notebooks/solutions/NN_topic_solutions.ipynb"
+    assert found - expected == set(), "solutions without their notebook"
+
+
+@pytest.mark.parametrize("path", by_stem(NOTEBOOKS))
+def test_notebook_opens_with_goals_and_ends_with_a_summary(path):
+    cells = read(path).cells
+    first, last = cells[0], cells[-1]
+    assert first.cell_type == "markdown" and first.source.startswith("# "), "start with a `# NN · Title` cell"
+    assert "learning goals" in first.source.lower(), "the first cell lists the learning goals"
+    assert last.cell_type == "markdown" and last.source.startswith("## Summary"), "end with a `## Summary` cell"
+
+
+@pytest.mark.parametrize("path", by_stem(NOTEBOOKS + SOLUTIONS))
+def test_every_cell_has_slide_metadata(path):
+    cells = read(path).cells
+    missing = [cell.id for cell in cells if cell.metadata.get("slideshow", {}).get("slide_type") not in SLIDE_TYPES]
+    assert missing == [], f"cells without slideshow.slide_type (one of {sorted(SLIDE_TYPES)}): {missing}"
+    assert cells[0].metadata.slideshow.slide_type == "slide", "the title cell opens the first slide"
+
+
+@pytest.mark.parametrize("path", by_stem(NOTEBOOKS))
+def test_every_exercise_is_followed_by_its_self_check(path):
+    marks = [(cell.id, "exercise" in tags(cell), "self-check" in tags(cell)) for cell in read(path).cells]
+    sequence = "".join("E" if exercise else "S" if check else "" for _, exercise, check in marks)
+    assert sequence.count("E") >= 2, f"at least two exercises (cells tagged `exercise`), found {sequence.count('E')}"
+    # Each exercise, then its self-check before the next exercise; a check belongs to the exercise before it.
+    assert re.fullmatch(r"(ES+)+", sequence), f"tagged cells in order: {sequence} (E exercise, S self-check)"
+
+
+@pytest.mark.parametrize("path", by_stem(NOTEBOOKS + SOLUTIONS))
+def test_nbgrader_metadata_is_valid_and_matches_the_tags(path):
+    """What nbgrader's MetadataValidatorV3 checks, plus: exercises are editable answers, self-checks locked."""
+    grade_ids = []
+    for cell in read(path).cells:
+        meta = cell.metadata.get("nbgrader")
+        is_exercise, is_check = "exercise" in tags(cell), "self-check" in tags(cell)
+        assert (meta is not None) == (is_exercise or is_check), f"{cell.id}: nbgrader metadata iff exercise/self-check"
+        if meta is None:
+            continue
+        jsonschema.validate(meta, NBGRADER_V3)
+        assert meta.get("grade_id"), f"{cell.id}: an nbgrader cell needs a grade_id"
+        grade_ids.append(meta["grade_id"])
+        if meta["grade"]:
+            assert "points" in meta, f"{cell.id}: a graded cell needs points"
+        if meta.get("task", False):
+            assert cell.cell_type == "markdown", f"{cell.id}: task cells must be markdown"
+        elif cell.cell_type == "markdown":
+            assert meta["grade"] and meta["solution"], f"{cell.id}: a markdown answer must be graded and a solution"
+        if is_exercise:
+            assert meta["solution"] and not meta["locked"], f"{cell.id}: learners write exercises (solution, unlocked)"
+        else:
+            assert meta["locked"] and not meta["solution"], f"{cell.id}: self-checks are locked, not answers"
+    assert len(grade_ids) == len(set(grade_ids)), f"duplicate grade_id: {sorted(grade_ids)}"
+
+
+def test_doctests_in_the_classroom_builder():
+    assert doctest.testmod(classroom).failed == 0
+
+
+def test_check_site_reports_what_would_not_load_offline(tmp_path):
+    (tmp_path / "b.html").write_text('<h2 id="Here">here</h2>')
+    (tmp_path / "a.html").write_text(
+        '<a href="b.html#Here">ok</a> <a href="https://pytorch.org/docs">read online: ok</a>'
+        '<a href="missing.html">1</a> <a href="b.html#Nowhere">2</a>'
+        '<script src="https://cdn.example/x.js"></script> <img src="//cdn.example/i.png">'
+        '<script>import("https://cdn.example/m.mjs")</script>')
+    problems = classroom.check_site(tmp_path)
+    assert len(problems) == 5, problems
+    assert all(problem.startswith("a.html: ") for problem in problems)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    try:
+        classroom.build_site(out)
+    except classroom.AssetsUnavailable as error:
+        if os.environ.get("CI"):
+            pytest.fail(f"the site must build in CI: {error}")
+        pytest.skip(str(error))
+    return out
+
+
+def test_site_has_a_page_for_every_document(site):
+    expected = [Path("index.html")] + [path.relative_to(ROOT).with_suffix(".html") for path in NOTEBOOKS + SOLUTIONS]
+    if (ROOT / "docs" / "instructor.md").exists():
+        expected.append(Path("docs/instructor.html"))
+    assert [str(page) for page in expected if not (site / page).is_file()] == []
+
+
+def test_site_table_of_contents_reaches_every_notebook(site):
+    index = (site / "index.html").read_text(encoding="utf-8")
+    for notebook in NOTEBOOKS:
+        assert f'href="notebooks/{notebook.stem}.html"' in index
+    for solution in SOLUTIONS:
+        assert f'href="notebooks/solutions/{solution.stem}.html"' in index
+
+
+def test_site_links_resolve_and_nothing_loads_from_the_network(site):
+    assert classroom.check_site(site) == []
+    cdn = re.compile(r"unpkg\.com|cdnjs|jsdelivr|googleapis|mathjax\.org")
+    pages = sorted(site.rglob("*.html"))
+    assert [page.name for page in pages if cdn.search(page.read_text(encoding="utf-8"))] == []

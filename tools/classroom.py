@@ -1,0 +1,532 @@
+"""Build the course for a classroom: offline reveal.js slides and a static site.
+
+    python tools/classroom.py slides [OUT]   # OUT (build/slides): one reveal.js deck per notebook
+    python tools/classroom.py site [OUT]     # OUT (build/site): README, notebooks, solutions, guide, figures
+    python tools/classroom.py check OUT      # every link or asset in OUT that would not load offline
+
+Everything opens from disk (file://) with no network. nbconvert's templates load reveal.js,
+require.js, MathJax, jQuery and the Jupyter widgets HTML manager from CDNs; here they load
+copies under OUT/_static instead, taken from the npm packages pinned in tools/package.json and
+tools/package-lock.json (`npm ci` installs them into tools/node_modules on first use).
+
+Links between documents keep working: a relative link to a notebook or markdown file that is
+built points at its page (`03_x.ipynb` -> `03_x.html` on the site, `03_x.slides.html` among the
+slides), and any other repository file a page links to (a .py source) is copied next to it.
+The site mirrors the repository's layout (notebooks/03_x.html, docs/instructor.html; README.md
+becomes index.html), with a table of contents on every page.
+"""
+from __future__ import annotations
+
+import functools
+import html
+import posixpath
+import re
+import shutil
+import subprocess
+import sys
+from html.parser import HTMLParser
+from pathlib import Path, PurePosixPath
+from typing import Callable
+from urllib.parse import unquote, urlsplit
+
+import nbformat
+from nbconvert import HTMLExporter, SlidesExporter
+from nbconvert.exporters import TemplateExporter
+from traitlets.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+NODE_MODULES = TOOLS / "node_modules"
+STATIC = "_static"
+
+# What the pages load, as paths inside node_modules; copied to OUT/_static/<same path>.
+VENDORED = (
+    "reveal.js/dist", "reveal.js/plugin/notes", "reveal.js/LICENSE",
+    "requirejs/require.js",
+    "jquery/dist/jquery.min.js", "jquery/LICENSE.txt",
+    "mathjax/MathJax.js", "mathjax/config/TeX-AMS_CHTML-full.js", "mathjax/config/Safe.js",
+    "mathjax/extensions", "mathjax/jax/input/TeX", "mathjax/jax/output/CommonHTML",
+    "mathjax/jax/element", "mathjax/fonts/HTML-CSS/TeX/woff", "mathjax/LICENSE",
+    "@jupyter-widgets/html-manager/dist",
+)
+# Source maps, ES-module builds and the non-AMD widgets bundle: no page loads them.
+NOT_LOADED = ("*.map", "*.esm.js", "embed.js", "libembed-amd.js")
+
+# Blocks both templates replace.
+# - Mermaid is imported from a CDN as an ES module, and no course notebook draws a diagram.
+# - The widgets bundle (embed-amd.js) sets webpack's public path, where it finds its fonts, from
+#   the require.js URLs of the modules it defines, so require.js must map those names to its folder.
+# - Code input skips nbconvert's bleach pass (a third of the build time): it sanitises Pygments'
+#   own escaped rendering of our own notebooks, so it changes nothing here.
+COMMON_BLOCKS = """
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+{%- block html_head_js_requirejs -%}
+{{ super() }}
+<script>
+require.config({paths: {
+  "@jupyter-widgets": "{{ resources.static_url }}/@jupyter-widgets/html-manager/dist",
+  "@jupyter-widgets/html-manager/dist": "{{ resources.static_url }}/@jupyter-widgets/html-manager/dist"
+}});
+</script>
+{%- endblock html_head_js_requirejs -%}
+{% block input %}
+<div class="jp-CodeMirrorEditor jp-Editor jp-InputArea-editor" data-type="inline">
+<div class="cm-editor cm-s-jupyter">
+{{ cell.source | highlight_code(metadata=cell.metadata) }}
+</div>
+</div>
+{%- endblock input %}
+"""
+SLIDES_TEMPLATE = "{%- extends 'index.html.j2' -%}" + COMMON_BLOCKS
+# The site's pages get their table of contents and previous / next links once all are rendered.
+TOC_MARK, PAGER_MARK = "<!-- course-toc -->", "<!-- course-pager -->"
+SITE_TEMPLATE = "{%- extends 'index.html.j2' -%}" + COMMON_BLOCKS + """
+{%- block html_head_css -%}<style type="text/css">{{ resources.site_css }}</style>{%- endblock html_head_css -%}
+{%- block body_header -%}{{ super() }}
+<!-- course-toc -->
+{%- endblock body_header -%}
+{%- block body_footer -%}<!-- course-pager -->
+{{ super() }}{%- endblock body_footer -%}
+"""
+SITE_CSS = """
+.course-toc { font-family: var(--jp-ui-font-family); font-size: 14px; line-height: 1.5; }
+.course-toc ul { list-style: none; padding-left: 0; margin: 0.2em 0; }
+.course-toc ul ul { padding-left: 1.2em; font-size: 13px; }
+.course-toc li { margin: 0.3em 0; }
+.course-toc .current > a { font-weight: bold; }
+.course-toc .course-solutions { font-size: 12px; margin-left: 0.4em; }
+.jp-RenderedMarkdown pre { background: var(--jp-cell-editor-background); padding: 8px; }
+.course-pager { display: flex; justify-content: space-between; gap: 1em; margin: 2em 0 1em;
+                font-family: var(--jp-ui-font-family); }
+@media (min-width: 1200px) {
+  .course-toc { position: fixed; top: 0; left: 0; bottom: 0; width: 300px; overflow-y: auto;
+                padding: 16px; box-sizing: border-box; border-right: 1px solid var(--jp-border-color2);
+                background: var(--jp-layout-color1); }
+  body.jp-Notebook { padding-left: 320px; }
+}
+@media (max-width: 1199px) { .course-toc ul ul { display: none; } }
+"""
+
+Pages = dict[PurePosixPath, PurePosixPath]  # repository path of a document -> its page, relative to OUT
+Headings = dict[PurePosixPath, list[tuple[int, str, str]]]  # document -> its (level, id, text) headings
+
+
+def notebooks() -> list[Path]:
+    """The course notebooks in order: notebooks/NN_topic.ipynb."""
+    return sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+
+
+def solutions() -> list[Path]:
+    """The solution notebooks: notebooks/solutions/NN_topic_solutions.ipynb."""
+    return sorted((ROOT / "notebooks" / "solutions").glob("[0-9][0-9]_*_solutions.ipynb"))
+
+
+class AssetsUnavailable(RuntimeError):
+    """The pinned npm packages are not installed and `npm ci` cannot install them."""
+
+
+def install_assets() -> Path:
+    """Run `npm ci` in tools/ unless node_modules already matches package-lock.json."""
+    lock, installed = TOOLS / "package-lock.json", NODE_MODULES / ".package-lock.json"
+    if installed.exists() and installed.stat().st_mtime >= lock.stat().st_mtime:
+        return NODE_MODULES
+    npm = shutil.which("npm")
+    if npm is None:
+        raise AssetsUnavailable(
+            "npm not found: the offline slides and site copy reveal.js, MathJax and require.js from "
+            "the npm packages pinned in tools/package-lock.json. Install Node.js 18 or newer "
+            "(apt-get install nodejs npm, brew install node, or conda install nodejs) and run again.")
+    # --ignore-scripts: the packages are only files to copy; none needs an install step.
+    command = [npm, "ci", "--prefix", str(TOOLS), "--ignore-scripts", "--no-audit", "--no-fund"]
+    if subprocess.run(command).returncode != 0:
+        raise AssetsUnavailable(f"`npm {' '.join(command[1:])}` failed (its output is above): it needs the "
+                                "npm registry once, to fill tools/node_modules; run it again when online.")
+    return NODE_MODULES
+
+
+def copy_assets(out: Path, *, slides: bool) -> None:
+    """Copy the vendored scripts, styles and fonts to out/_static (reveal.js only for slides)."""
+    modules = install_assets()
+    for relative in VENDORED:
+        if relative.startswith("reveal.js/") and not slides:
+            continue
+        source, target = modules / relative, out / STATIC / relative
+        if source.is_dir():
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns(*NOT_LOADED), dirs_exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def static_prefix(page: PurePosixPath) -> str:
+    """The relative URL from a page (a path relative to OUT) to OUT/_static.
+
+    >>> static_prefix(PurePosixPath("notebooks/solutions/03_x_solutions.html"))
+    '../../_static'
+    """
+    return posixpath.join(*[".."] * len(page.parent.parts), STATIC)
+
+
+def asset_config(prefix: str) -> Config:
+    """nbconvert settings that load every script from prefix (see static_prefix) instead of CDNs."""
+    config = Config()
+    config.HTMLExporter.require_js_url = f"{prefix}/requirejs/require.js"
+    config.HTMLExporter.jquery_url = f"{prefix}/jquery/dist/jquery.min.js"
+    # MathJax.js, not the CDN's latest.js: latest.js asks the network for a newer version first.
+    config.HTMLExporter.mathjax_url = f"{prefix}/mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe"
+    config.HTMLExporter.widget_renderer_url = f"{prefix}/@jupyter-widgets/html-manager/dist/embed-amd.js"
+    config.SlidesExporter.reveal_url_prefix = f"{prefix}/reveal.js"
+    config.SlidesExporter.reveal_theme = "white"  # its fonts ship with reveal.js; "simple" asks Google Fonts
+    config.SlidesExporter.reveal_scroll = True   # a long cell scrolls inside its slide
+    config.SlidesExporter.reveal_number = "c/t"  # "12/40", so the room can say which slide
+    return config
+
+
+def _exporters(kind: type[TemplateExporter], template: str) -> Callable[[str], TemplateExporter]:
+    """One configured exporter per static prefix (pages at the same depth share one)."""
+    return functools.cache(lambda prefix: kind(config=asset_config(prefix), raw_template=template))
+
+
+def _render(exporter: Callable[[str], TemplateExporter], nb: nbformat.NotebookNode, name: str,
+            page: PurePosixPath, **resources: str) -> str:
+    prefix = static_prefix(page)
+    body, _ = exporter(prefix).from_notebook_node(
+        nb, resources={"metadata": {"name": name}, "static_url": prefix, **resources})
+    return body
+
+
+def _write(out: Path, page: PurePosixPath, text: str) -> Path:
+    target = out / page
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(text, encoding="utf-8")
+    return target
+
+
+def _repository_path(path: Path) -> PurePosixPath:
+    return PurePosixPath(path.relative_to(ROOT).as_posix())
+
+
+def slides_page(notebook: Path) -> PurePosixPath:
+    """Where a notebook's deck lands under the slides folder.
+
+    >>> slides_page(ROOT / "notebooks" / "solutions" / "03_x_solutions.ipynb")
+    PurePosixPath('solutions/03_x_solutions.slides.html')
+    """
+    return PurePosixPath(notebook.relative_to(ROOT / "notebooks").with_suffix(".slides.html").as_posix())
+
+
+def build_slides(out: Path) -> list[Path]:
+    """Write a reveal.js deck for every notebook and solutions notebook under out/; return the decks.
+
+    Cells present as their `slideshow.slide_type` says (slide, subslide, fragment, skip, notes);
+    in a deck, S opens the speaker view with the notes cells.
+    """
+    copy_assets(out, slides=True)
+    exporter = _exporters(SlidesExporter, SLIDES_TEMPLATE)
+    sources = notebooks() + solutions()
+    pages = {_repository_path(source): slides_page(source) for source in sources}
+    linked_files: set[PurePosixPath] = set()
+    decks = []
+    for source in sources:
+        document = _repository_path(source)
+        text = _render(exporter, _titled(nbformat.read(source, as_version=4)), source.stem, pages[document])
+        decks.append(_write(out, pages[document], rewrite_links(text, document, pages, linked_files)))
+    _copy_linked(out, linked_files)
+    items = "\n".join(f'<li><a href="{html.escape(page.as_posix())}">{html.escape(page.name)}</a></li>'
+                      for page in pages.values())
+    _write(out, PurePosixPath("index.html"),
+           '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>Course slides</title></head>\n'
+           "<body><h1>Course slides</h1>\n<p>Arrow keys move, S opens the speaker view (notes), "
+           f"F is full screen, Esc shows every slide.</p>\n<ul>\n{items}\n</ul></body></html>\n")
+    return decks
+
+
+def _title(markdown: str) -> str:
+    """The text of the first `# ` heading in markdown, or ''."""
+    match = re.search(r"^# +(.+?)\s*$", markdown, re.MULTILINE)
+    return match[1].replace("`", "") if match else ""
+
+
+def _titled(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """The notebook with metadata.title (the page's <title>) taken from its first heading."""
+    first = next((cell.source for cell in nb.cells if cell.cell_type == "markdown"), "")
+    if _title(first) and "title" not in nb.metadata:
+        nb.metadata["title"] = _title(first)
+    return nb
+
+
+def _markdown_page(text: str) -> nbformat.NotebookNode:
+    """A markdown document as a one-cell notebook, so it renders exactly like the notebooks' prose."""
+    return _titled(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)]))
+
+
+def _figures_markdown(figures: list[Path]) -> str:
+    parts = ["# Figures", "",
+             "Every figure is drawn from ckptlib code by `make figures` (`python -m ckptlib.bench --figures figures`)."]
+    for name in sorted({figure.stem for figure in figures}):
+        formats = sorted(figure.suffix[1:] for figure in figures if figure.stem == name)
+        shown = f"{name}.svg" if "svg" in formats else f"{name}.{formats[0]}"
+        links = ", ".join(f"[{fmt}]({name}.{fmt})" for fmt in formats)
+        parts += ["", f"## {name}", "", f"![{name}]({shown})", "", f"Files: {links}"]
+    return "\n".join(parts) + "\n"
+
+
+class _PageParser(HTMLParser):
+    """Collects ids, (tag, attribute, url) links, headings and inline script text."""
+
+    LINK_ATTRIBUTES = {"href", "src", "xlink:href"}
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.ids: set[str] = set()
+        self.links: list[tuple[str, str, str]] = []
+        self.headings: list[tuple[int, str, str]] = []
+        self.scripts: list[str] = []
+        self._heading: list | None = None  # [level, id, text so far] inside a heading
+        self._in_script = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for name, value in attrs:
+            if name in ("id", "name") and value:
+                self.ids.add(value)
+            elif name in self.LINK_ATTRIBUTES and value is not None:
+                self.links.append((tag, name, value))
+        if re.fullmatch(r"h[1-6]", tag):
+            self._heading = [int(tag[1]), dict(attrs).get("id") or "", ""]
+        self._in_script = tag == "script"
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._heading and tag == f"h{self._heading[0]}":
+            level, anchor, text = self._heading
+            self.headings.append((level, anchor, text.replace("¶", "").strip()))
+            self._heading = None
+        if tag == "script":
+            self._in_script = False
+
+    def handle_data(self, data: str) -> None:
+        if self._heading:
+            self._heading[2] += data
+        if self._in_script:
+            self.scripts.append(data)
+
+
+def _parse(text: str) -> _PageParser:
+    parser = _PageParser()
+    parser.feed(text)
+    parser.close()
+    return parser
+
+
+_LINK = re.compile(r'(\b(?:href|src)=")([^"]*)(")')
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces as hyphens.
+
+    nbconvert keeps the heading's case and punctuation instead, so links written for GitHub
+    are translated (see rewrite_links).
+
+    >>> github_anchor("Presenting: live slides and static decks")
+    'presenting-live-slides-and-static-decks'
+    """
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def rewrite_links(text: str, document: PurePosixPath, pages: Pages, linked_files: set[PurePosixPath],
+                  headings: Headings | None = None) -> str:
+    """Point the relative links in a page rendered from `document` at the pages built from their targets.
+
+    A link to another repository file is kept, pointing at out/<its repository path>, and the
+    file is added to linked_files for the caller to copy there. With the pages' headings, a
+    GitHub-style #anchor becomes the id nbconvert gave that heading.
+
+    >>> pages = {PurePosixPath("README.md"): PurePosixPath("index.html"),
+    ...          PurePosixPath("notebooks/03_x.ipynb"): PurePosixPath("notebooks/03_x.html")}
+    >>> headings = {PurePosixPath("notebooks/03_x.ipynb"): [(2, "Step-1:-holders", "Step 1: holders")]}
+    >>> rewrite_links('<a href="03_x.ipynb#step-1-holders">', PurePosixPath("notebooks/03_x.ipynb"),
+    ...               pages, set(), headings)
+    '<a href="03_x.html#Step-1:-holders">'
+    >>> rewrite_links('<a href="../README.md">', PurePosixPath("notebooks/03_x.ipynb"), pages, set())
+    '<a href="../index.html">'
+    """
+    here = pages[document].parent.as_posix() or "."
+    anchors = {target: {github_anchor(text): anchor for _, anchor, text in found if anchor}
+               for target, found in (headings or {}).items()}
+
+    def rewrite(match: re.Match) -> str:
+        url = html.unescape(match[2])
+        parts = urlsplit(url)
+        if not url or parts.scheme or parts.netloc or url.startswith("/"):
+            return match[0]
+        target = document
+        if parts.path:
+            target = PurePosixPath(posixpath.normpath(posixpath.join(document.parent.as_posix(), unquote(parts.path))))
+        fragment = anchors.get(target, {}).get(parts.fragment, parts.fragment)
+        if target in pages:
+            new = posixpath.relpath(pages[target].as_posix(), here) if parts.path else ""
+        elif not target.as_posix().startswith("..") and (ROOT / target).is_file():
+            linked_files.add(target)
+            new = posixpath.relpath(target.as_posix(), here)
+        else:
+            return match[0]  # check_site reports it
+        return match[1] + html.escape(new + (f"#{fragment}" if fragment else "")) + match[3]
+
+    return _LINK.sub(rewrite, text)
+
+
+def _copy_linked(out: Path, linked_files: set[PurePosixPath]) -> None:
+    for relative in linked_files:
+        (out / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / relative, out / relative)
+
+
+def _course_pages(pages: Pages) -> list[PurePosixPath]:
+    """README, then the notebooks in order: the path previous / next links follow."""
+    return [PurePosixPath("README.md")] + [d for d in pages if d.parent.as_posix() == "notebooks"]
+
+
+def _title_of(document: PurePosixPath, headings: Headings) -> str:
+    return next((text for level, _, text in headings[document] if level == 1), document.stem)
+
+
+def _sections(document: PurePosixPath, headings: Headings, link: Callable[[PurePosixPath, str], str]) -> str:
+    """A list of links to a page's `## ` sections."""
+    return "<ul>" + "".join(f'<li><a href="{link(document, anchor)}">{html.escape(text)}</a></li>'
+                            for level, anchor, text in headings[document] if level == 2 and anchor) + "</ul>"
+
+
+def _toc(current: PurePosixPath, pages: Pages, headings: Headings) -> str:
+    """The table of contents seen from `current`: every page; sections of this page (all, on the home page)."""
+    here = pages[current].parent.as_posix() or "."
+
+    def link(document: PurePosixPath, anchor: str = "") -> str:
+        return html.escape(posixpath.relpath(pages[document].as_posix(), here) + (f"#{anchor}" if anchor else ""))
+
+    home, *course = _course_pages(pages)
+    lines = ['<nav class="course-toc" aria-label="Course contents">',
+             f'<p><a href="{link(home)}"><strong>{html.escape(_title_of(home, headings))}</strong></a></p>', "<ul>"]
+    for notebook in course:
+        css = ' class="current"' if notebook == current else ""
+        lines.append(f'<li{css}><a href="{link(notebook)}">{html.escape(_title_of(notebook, headings))}</a>')
+        solution = notebook.parent / "solutions" / f"{notebook.stem}_solutions.ipynb"
+        if solution in pages:
+            css = "course-solutions current" if solution == current else "course-solutions"
+            lines.append(f'<span class="{css}">(<a href="{link(solution)}">solutions</a>)</span>')
+        if current in (notebook, home):
+            lines.append(_sections(notebook, headings, link))
+        lines.append("</li>")
+    for extra in (PurePosixPath("docs/instructor.md"), PurePosixPath("figures/index.md")):
+        if extra in pages:
+            css = ' class="current"' if extra == current else ""
+            lines.append(f'<li{css}><a href="{link(extra)}">{html.escape(_title_of(extra, headings))}</a>')
+            if extra == current:
+                lines.append(_sections(extra, headings, link))
+            lines.append("</li>")
+    lines.append("</ul></nav>")
+    return "\n".join(lines)
+
+
+def _pager(current: PurePosixPath, pages: Pages, headings: Headings) -> str:
+    """Previous / next links along README -> notebook 00 -> ... -> the last notebook."""
+    sequence = _course_pages(pages)
+    if current not in sequence:
+        return ""
+    here, index = pages[current].parent.as_posix() or ".", sequence.index(current)
+
+    def link(document: PurePosixPath, label: str) -> str:
+        href = html.escape(posixpath.relpath(pages[document].as_posix(), here))
+        return f'<a href="{href}">{label.format(html.escape(_title_of(document, headings)))}</a>'
+
+    previous = link(sequence[index - 1], "&larr; {}") if index > 0 else "<span></span>"
+    following = link(sequence[index + 1], "{} &rarr;") if index + 1 < len(sequence) else "<span></span>"
+    return f'<nav class="course-pager">{previous}{following}</nav>'
+
+
+def build_site(out: Path) -> list[Path]:
+    """Render README, the notebooks (with their committed outputs), solutions, the instructor guide
+    and the figures under out/ as linked, offline HTML; return the pages written."""
+    copy_assets(out, slides=False)
+    documents = {PurePosixPath("README.md"): _markdown_page((ROOT / "README.md").read_text(encoding="utf-8"))}
+    for source in notebooks() + solutions():
+        documents[_repository_path(source)] = _titled(nbformat.read(source, as_version=4))
+    guide = ROOT / "docs" / "instructor.md"
+    if guide.exists():
+        documents[_repository_path(guide)] = _markdown_page(guide.read_text(encoding="utf-8"))
+    figures = sorted(f for f in (ROOT / "figures").glob("*") if f.suffix in (".svg", ".png"))
+    if figures:
+        documents[PurePosixPath("figures/index.md")] = _markdown_page(_figures_markdown(figures))
+    pages = {document: PurePosixPath("index.html") if document.name == "README.md" else document.with_suffix(".html")
+             for document in documents}
+
+    exporter = _exporters(HTMLExporter, SITE_TEMPLATE)
+    rendered = {document: _render(exporter, nb, document.stem, pages[document], site_css=SITE_CSS)
+                for document, nb in documents.items()}
+    headings = {document: _parse(text).headings for document, text in rendered.items()}
+    linked_files: set[PurePosixPath] = set()
+    written = []
+    for document, text in rendered.items():
+        text = rewrite_links(text, document, pages, linked_files, headings)
+        text = text.replace(TOC_MARK, _toc(document, pages, headings), 1)
+        text = text.replace(PAGER_MARK, _pager(document, pages, headings), 1)
+        written.append(_write(out, pages[document], text))
+    linked_files.update(_repository_path(figure) for figure in figures)
+    _copy_linked(out, linked_files)
+    return written
+
+
+_NETWORK_URL_IN_SCRIPT = re.compile(r"""["'`]((?:https?:)?//[^"'`\s]+)""")
+
+
+def check_site(out: Path) -> list[str]:
+    """Every link or asset in out's HTML that would not work offline, one 'page: problem' line each.
+
+    A relative href/src must name an existing file (and an element id, when it has a #fragment);
+    only <a href> may point at the network (a link to read online); nothing may load from it.
+    """
+    parsed = {page: _parse(page.read_text(encoding="utf-8")) for page in sorted(out.rglob("*.html"))}
+    problems = []
+    for page, info in parsed.items():
+        name = page.relative_to(out).as_posix()
+        for tag, attribute, url in info.links:
+            parts = urlsplit(url)
+            if parts.scheme in ("data", "mailto"):
+                continue
+            if parts.scheme or parts.netloc:
+                if (tag, attribute) != ("a", "href"):
+                    problems.append(f"{name}: <{tag} {attribute}> loads {url} from the network")
+                continue
+            target = (page.parent / unquote(parts.path)).resolve() if parts.path else page
+            # Browsers look the fragment up as written, then percent-decoded (nbconvert's ids keep escapes).
+            if not target.is_file():
+                problems.append(f"{name}: <{tag} {attribute}={url!r}> names a missing file")
+            elif (parts.fragment and target in parsed
+                  and not {parts.fragment, unquote(parts.fragment)} & parsed[target].ids):
+                problems.append(f"{name}: <{tag} {attribute}={url!r}> names a missing anchor")
+        for script in info.scripts:
+            problems += [f"{name}: an inline script loads {url} from the network"
+                         for url in _NETWORK_URL_IN_SCRIPT.findall(script)]
+    return problems
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) not in (1, 2) or argv[0] not in ("slides", "site", "check"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    command = argv[0]
+    out = Path(argv[1]) if len(argv) == 2 else ROOT / "build" / ("slides" if command == "slides" else "site")
+    try:
+        if command in ("slides", "site"):
+            shutil.rmtree(out, ignore_errors=True)
+            built = build_slides(out) if command == "slides" else build_site(out)
+            print(f"{len(built)} pages in {out}/: open {out / 'index.html'}")
+    except AssetsUnavailable as error:
+        print(error, file=sys.stderr)
+        return 1
+    problems = check_site(out)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
