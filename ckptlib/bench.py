@@ -759,6 +759,15 @@ def run(config: Config = DEFAULT, device: torch.device | str = "cpu",
     return BenchRun(summary, timelines)
 
 
+def _claim_rows(claims: dict[str, Any], quote: str) -> list[list[str]]:
+    """Rows of the claims-vs-measured table: the seed article's claims, then our variants."""
+    rows = [[f"claim: {c['claim']}", _span(c["memory_saving"], "-"), _span(c["time_overhead"], "+")]
+            for c in claims["claims"]]
+    rows += [[f"measured: {quote}{m['variant']}{quote}", _pct(-m["memory_saving"]), _pct(m["time_overhead"])]
+             for m in claims["measured"]]
+    return rows
+
+
 def _seed_claims(results: dict[str, Any]) -> dict[str, Any]:
     measured = []
     for group, name in (("blocks", "ckptlib"), ("blocks", "torch"), ("blocks", "sqrt"),
@@ -857,13 +866,8 @@ def format_report(summary: dict[str, Any]) -> str:
     overhead = summary["meter_overhead"]
     parts.append(f"\nLive-tensor meter: step time x{_x(overhead['peak'])} (peak only), "
                  f"x{_x(overhead['timeline'])} (recording a timeline)")
-    claims = summary["seed_claims"]
-    rows = [[f"claim: {c['claim']}", _span(c["memory_saving"], "-"), _span(c["time_overhead"], "+")]
-            for c in claims["claims"]]
-    rows += [[f"measured: {m['variant']}", _pct(-m["memory_saving"]), _pct(m["time_overhead"])]
-             for m in claims["measured"]]
     parts.append("\nThe seed article's claims next to ours (change vs plain)\n"
-                 + format_table(["", "peak memory", "step time"], rows))
+                 + format_table(["", "peak memory", "step time"], _claim_rows(summary["seed_claims"], quote="")))
     depth = summary["depth"]
     rows = [[d] + [format_bytes(depth["peak_bytes"][name][i]) for name in depth["peak_bytes"]]
             + [_pct(depth["saving_vs_plain"]["ckptlib"][i])] for i, d in enumerate(depth["depths"])]
@@ -933,13 +937,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
         lines += [f"- `{name}` keeps {_x(t['saving_kept'])} of `{t['full']}`'s memory saving and pays "
                   f"{_x(t['extra_time_paid'])} of its extra time" + _reference(t) for name, t in group["tradeoffs"].items()]
         parts.append("\n".join(lines))
-    claims = summary["seed_claims"]
-    rows = [[f"claim: {c['claim']}", _span(c["memory_saving"], "-"), _span(c["time_overhead"], "+")]
-            for c in claims["claims"]]
-    rows += [[f"measured: `{m['variant']}`", _pct(-m["memory_saving"]), _pct(m["time_overhead"])]
-             for m in claims["measured"]]
     parts.append("**The seed article's claims next to ours** (change vs plain)\n\n"
-                 + _markdown_table(["", "peak memory", "step time"], rows))
+                 + _markdown_table(["", "peak memory", "step time"], _claim_rows(summary["seed_claims"], quote="`")))
     overhead = summary["meter_overhead"]
     parts.append(f"**Live-tensor meter**: the plain step takes x{_x(overhead['peak'])} as long under the meter "
                  f"(peak only), x{_x(overhead['timeline'])} recording a timeline.")
