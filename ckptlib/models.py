@@ -10,6 +10,8 @@ share one switch, ``checkpointing``, that decides how the blocks are run:
             around each block (the reference ckptlib is compared with)
 ``"sqrt"``  ``ckptlib.sequential.checkpoint_sequential`` with the
             ``ckptlib.schedules.sqrt_n`` plan for the n blocks
+``"selective"`` ``ckptlib.policies.selective_checkpoint`` around each block with the
+            ``save_matmuls`` policy: matmul outputs are kept, the rest recomputed
 a ``Plan``  ``checkpoint_sequential`` with that ``ckptlib.schedules.Plan``
 ==========  ================================================================
 
@@ -35,13 +37,14 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckptlib.checkpoint import checkpoint
+from ckptlib.policies import save_matmuls, selective_checkpoint
 
 if TYPE_CHECKING:
     from ckptlib.schedules import Plan
 
 __all__ = ["MLPChain", "TinyTransformer", "CHECKPOINTING_MODES"]
 
-CHECKPOINTING_MODES = ("none", "block", "torch", "sqrt")
+CHECKPOINTING_MODES = ("none", "block", "torch", "sqrt", "selective")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Checkpointing = Union[str, "Plan"]  # one of CHECKPOINTING_MODES, or a ckptlib.schedules.Plan
@@ -95,6 +98,10 @@ def run_blocks(blocks: nn.Sequential, x: torch.Tensor, checkpointing: Checkpoint
         for block in blocks:
             x = torch_checkpoint(block, x, use_reentrant=False)
         return x
+    if checkpointing == "selective":
+        for block in blocks:
+            x = selective_checkpoint(block, x, policy=save_matmuls)
+        return x
     # "sqrt" or a Plan: a sequence-level schedule decides which block outputs to keep.
     checkpoint_sequential, sqrt_n = _sequential_tools()
     plan = sqrt_n(len(blocks)) if checkpointing == "sqrt" else checkpointing
@@ -112,7 +119,7 @@ class _DemoModel(nn.Module):
 
     @property
     def checkpointing(self) -> Checkpointing:
-        """How the blocks run: ``"none"``, ``"block"``, ``"torch"``, ``"sqrt"`` or a ``Plan``."""
+        """How the blocks run: ``"none"``, ``"block"``, ``"torch"``, ``"sqrt"``, ``"selective"`` or a ``Plan``."""
         return self._checkpointing
 
     @checkpointing.setter

@@ -47,6 +47,7 @@ from matplotlib.figure import Figure
 
 from ckptlib.memory import MemoryMeter, TimelineEntry
 from ckptlib.models import Checkpointing, TinyTransformer
+from ckptlib.schedules import revolve
 
 __all__ = ["MemoryDashboard"]
 
@@ -64,25 +65,15 @@ class _OverLimit(MemoryError):
 
 
 def _schedules() -> dict[str, Callable[[int], Checkpointing]]:
-    """Schedule label -> the model's ``checkpointing`` value for ``depth`` blocks.
-
-    The sequence-level schedules need ``ckptlib.sequential``; the dashboard
-    offers what it can import.
-    """
-    schedules: dict[str, Callable[[int], Checkpointing]] = {
+    """Schedule label -> the model's ``checkpointing`` value for ``depth`` blocks."""
+    return {
         OFF: lambda depth: "none",
         "per block": lambda depth: "block",
         "per block (torch)": lambda depth: "torch",
+        "sqrt(n)": lambda depth: "sqrt",
+        f"Revolve ({REVOLVE_SLOTS} slots)": lambda depth: revolve(depth, REVOLVE_SLOTS),
+        "selective (save matmuls)": lambda depth: "selective",
     }
-    try:
-        from ckptlib.schedules import revolve
-        from ckptlib.sequential import checkpoint_sequential  # noqa: F401  (runs "sqrt" and plans)
-    except ImportError:
-        pass
-    else:
-        schedules["sqrt(n)"] = lambda depth: "sqrt"
-        schedules[f"Revolve ({REVOLVE_SLOTS} slots)"] = lambda depth: revolve(depth, REVOLVE_SLOTS)
-    return schedules
 
 
 class MemoryDashboard:

@@ -29,7 +29,7 @@ PLANS = {"sqrt_n": lambda n: sqrt_n(n), "revolve": lambda n: revolve(n, 2), "rec
 
 
 @pytest.mark.parametrize("make", [small_mlp, lambda: small_transformer(dropout=0.2)], ids=["mlp", "transformer"])
-@pytest.mark.parametrize("mode", ["block", "torch", "sqrt", *PLANS])
+@pytest.mark.parametrize("mode", ["block", "torch", "sqrt", "selective", *PLANS])
 def test_every_checkpointing_mode_gives_bitwise_equal_gradients(make, mode):
     model = make()
     batch = model.example_batch(batch=4)
@@ -115,7 +115,7 @@ def test_bad_checkpointing_values_list_the_valid_ones(bad):
     with pytest.raises(ValueError, match="ckptlib.schedules.Plan"):
         model.checkpointing = bad
     assert model.checkpointing == "none"
-    assert CHECKPOINTING_MODES == ("none", "block", "torch", "sqrt")
+    assert CHECKPOINTING_MODES == ("none", "block", "torch", "sqrt", "selective")
 
 
 def test_sqrt_without_checkpoint_sequential_says_what_to_use(monkeypatch):

@@ -234,3 +234,16 @@ def test_close_closes_every_widget():
     dashboard = MemoryDashboard(depth=2, batch=2)
     dashboard.close()
     assert dashboard.widget.comm is None and dashboard.run_button.comm is None
+
+
+def test_every_schedule_runs_and_selective_sits_between_off_and_per_block(dashboard):
+    assert set(dashboard.schedule.options) == {"none", "per block", "per block (torch)", "sqrt(n)",
+                                               "Revolve (2 slots)", "selective (save matmuls)"}
+    peaks = {}
+    for schedule in dashboard.schedule.options:
+        dashboard.schedule.value = schedule
+        (record,) = dashboard.run(steps=1)
+        assert record["schedule"] == schedule and dashboard.message.value == ""
+        peaks[schedule] = record["peak_bytes"]
+    assert peaks["per block"] < peaks["selective (save matmuls)"] < peaks["none"]
+    assert peaks["per block"] == peaks["per block (torch)"]
