@@ -210,11 +210,12 @@ class _Holder:
     """What autograd keeps instead of a tensor: an index, and per backward pass the
     recomputed tensor until it is unpacked (then ``_USED``)."""
 
-    __slots__ = ("frame", "index", "recomputed", "unpack_count", "__weakref__")
+    __slots__ = ("frame", "index", "frees_memory", "recomputed", "unpack_count", "__weakref__")
 
-    def __init__(self, frame: "_Frame", index: int) -> None:
+    def __init__(self, frame: "_Frame", index: int, frees_memory: bool) -> None:
         self.frame = frame
         self.index = index
+        self.frees_memory = frees_memory  # False for inputs, parameters and views of them
         self.recomputed: dict[int, Any] = {}
         self.unpack_count = 0
 
@@ -228,6 +229,7 @@ class PackedInfo:
     meta: TensorMeta
     unpack_count: int
     recompute_count: int
+    frees_memory: bool = True  # False when dropping it freed nothing (an input, a parameter, a view of one)
 
 
 class _Peek:
@@ -346,8 +348,10 @@ class _Frame:
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
         self.op_names = _OpNames() if self.tracing else None
-        # For the trace only: which saved tensors free no memory when dropped.
-        self.kept_storages = {t.untyped_storage().data_ptr() for t in tensors} if self.tracing else set()
+        # Which saved tensors free no memory when dropped: those sharing storage with the inputs.
+        # (Skipped under torch.compile, where data pointers would break the traced graph.)
+        self.check_aliases = not torch.compiler.is_compiling()
+        self.kept_storages = {t.untyped_storage().data_ptr() for t in tensors} if self.check_aliases else set()
         self.freed_bytes = 0
         self.counted_storages: dict[int, StorageWeakRef] = {}  # a tensor saved twice frees its bytes once
 
@@ -379,14 +383,15 @@ class _Frame:
 
     # -- forward ----------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> _Holder:
-        holder = _Holder(self, len(self.weak_holders))
+        frees_memory = not _aliases_kept_tensor(tensor, self.kept_storages) if self.check_aliases else True
+        holder = _Holder(self, len(self.weak_holders), frees_memory)
         self.weak_holders.append(weakref.ref(holder))
         self.keys.append(_key(tensor))
         if self.op_names is not None:
             meta = self.meta(holder.index)
             storage = tensor.untyped_storage()
             earlier = self.counted_storages.get(storage.data_ptr())
-            if _aliases_kept_tensor(tensor, self.kept_storages):
+            if not holder.frees_memory:
                 detail = "dropped, but it is an input, a parameter or a view of one: frees nothing"
             elif earlier is not None and not earlier.expired():
                 detail = "dropped (same storage as an earlier saved tensor: counted once)"
@@ -401,7 +406,8 @@ class _Frame:
         peek = _thread_state.peek
         if peek is not None:
             meta = self.meta(holder.index)
-            peek.last = PackedInfo(self.region, holder.index, meta, holder.unpack_count, self.recompute_count)
+            peek.last = PackedInfo(self.region, holder.index, meta, holder.unpack_count, self.recompute_count,
+                                   holder.frees_memory)
             return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
         graph_task = torch._C._current_graph_task_id()
         if graph_task == -1:

@@ -104,6 +104,7 @@ class SavedTensor:
     of_leaf: bool = False
     tensor_name: str | None = None
     view: tuple | None = field(default=None, repr=False)
+    frees_memory: bool = True  # for a dropped tensor: False if it was an input, a parameter or a view of one
 
     def describe(self) -> str:
         """``'self (3,) float32 12 B'``: name, shape, dtype, bytes (just the name if unknown)."""
@@ -151,8 +152,9 @@ class GraphNode:
 
     @property
     def dropped_bytes(self) -> int:
-        """Bytes of this node's saved tensors that a checkpoint dropped in forward."""
-        return sum(s.nbytes for s in self.saved if s.status in ("dropped", "recomputed"))
+        """Bytes of this node's saved tensors that a checkpoint dropped in forward, counting only
+        those whose dropping freed memory (not inputs, parameters or views of them)."""
+        return sum(s.nbytes for s in self.saved if s.status in ("dropped", "recomputed") and s.frees_memory)
 
 
 @dataclass
@@ -188,10 +190,9 @@ class AutogradGraph:
     def dropped_bytes(self) -> int:
         """Bytes of the saved tensors checkpoints dropped in forward.
 
-        A dropped tensor is seen only through its metadata, so each counts with its
-        own size: a view of a parameter that a checkpoint packed, or one tensor saved
-        by two ops, counts although it cost no extra memory. This can exceed what
-        the same code keeps without a checkpoint (``saved_bytes`` of that graph).
+        Inputs, parameters and views of them are left out (dropping them frees
+        nothing). A dropped tensor is otherwise seen only through its metadata, so
+        one tensor saved by two ops counts twice here.
         """
         return sum(node.dropped_bytes for node in self.nodes)
 
@@ -550,7 +551,8 @@ def _describe(label: str, tensor: torch.Tensor, info: Any, names: _Names, storag
     meta = info.meta if info is not None else None
     if meta is not None:
         status = "recomputed" if info.unpack_count > 0 else "dropped"
-        return SavedTensor(label, meta.shape, meta.dtype, meta.nbytes, status, info.region)
+        return SavedTensor(label, meta.shape, meta.dtype, meta.nbytes, status, info.region,
+                           frees_memory=info.frees_memory)
     nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type == "meta":  # dropped by a hook we do not know; nothing is held
         return SavedTensor(label, tuple(tensor.shape), tensor.dtype, nbytes, "dropped")
