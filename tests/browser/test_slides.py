@@ -8,16 +8,12 @@ start one, and a cell without slide metadata counts as "-".
 """
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import classroom  # noqa: E402  (tools/ is not a package)
+import classroom  # tools/, put on sys.path by tests/conftest.py
 
 pytestmark = pytest.mark.browser
 NOTEBOOKS = classroom.notebooks() + classroom.solutions()
@@ -31,16 +27,9 @@ def expected_slides(notebook: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def decks(browser, tmp_path_factory) -> Path:
+def decks(browser, build_classroom) -> Path:
     """The decks, built once into a temporary folder (after `browser` says there is one)."""
-    out = tmp_path_factory.mktemp("slides")
-    try:
-        classroom.build_slides(out)
-    except classroom.AssetsUnavailable as error:
-        if os.environ.get("CI"):
-            pytest.fail(f"the slides must build in CI: {error}")
-        pytest.skip(str(error))
-    return out
+    return build_classroom("slides", classroom.build_slides)
 
 
 def test_decks_link_only_to_local_files(decks):
