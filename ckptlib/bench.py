@@ -65,6 +65,17 @@ caches, not by taking turns). Use it with
 waiting for each other, and on a busy machine they wait more than they compute.
 The clock and thread count are recorded with the results.
 
+Freed memory. On Linux, glibc's ``malloc`` hands large blocks (a 4 MiB
+activation) back to the operating system when they are freed, and the next
+allocation of that size takes fresh pages, which the kernel zeroes on first
+touch. Checkpointing variants free and reallocate more than plain autograd, so
+with the default settings a CPU timing partly measures page faults, and varies
+with whatever freed memory a variant happens to find. ``python -m ckptlib.bench``
+therefore asks glibc (``mallopt``) to keep freed memory for reuse, as jemalloc
+and tcmalloc do (PyTorch's CPU performance guide recommends those allocators).
+Every variant runs under the same setting, which is recorded as ``allocator``
+in the results; ``--system-malloc`` leaves glibc as it is.
+
 From Python (``tests/test_bench.py`` runs the command line at the ``TINY`` sizes)::
 
     bench = run(QUICK)                 # a progress bar on stderr
@@ -75,6 +86,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import gc
 import json
 import math
@@ -101,6 +114,7 @@ from ckptlib.schedules import Plan, recursive, sqrt_n
 
 __all__ = [
     "Config", "TransformerSize", "DEFAULT", "QUICK", "TINY", "CLOCKS", "BenchRun", "BenchError", "Group", "Variant", "run", "main",
+    "keep_freed_memory",
     "SEED_CLAIMS", "SCHEMA", "SUMMARY_KEYS",
     "ratio", "median_and_iqr", "selective_tradeoff", "fit_power_law", "fit_log",
     "summarise_group", "format_bar", "ProgressBar", "format_table", "format_report", "to_markdown", "write_markdown",
@@ -435,10 +449,10 @@ def _torch_selective(ops: list, block: nn.Module, x: torch.Tensor) -> torch.Tens
 
 
 def _cost_policy(size: TransformerSize, device: torch.device) -> Any:
-    """A policy chosen from one block's measured op costs: cache at most 40% of its activations."""
+    """A policy chosen from one block's measured op costs: cache at most half of its activations."""
     model = size.build(device)
     x = torch.randn(size.batch, size.seq, size.d_model, device=device, requires_grad=True)
-    return policy_from_costs(model.blocks[0], x, memory_ratio=0.4)
+    return policy_from_costs(model.blocks[0], x, memory_ratio=0.5)
 
 
 def _torch_save_on_cpu(device: torch.device) -> ContextManager:
@@ -712,12 +726,33 @@ class BenchRun:
     timelines: dict[str, list[TimelineEntry]]
 
 
+_allocator_setting = "system default"
+
+
+def keep_freed_memory() -> str:
+    """Ask glibc to keep freed memory for reuse instead of returning it to the OS (see "Freed
+    memory" above); a no-op elsewhere. Returns what the allocator now does, for the record.
+    For the benchmark process only: it changes the allocator of the whole process."""
+    global _allocator_setting
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            mallopt = libc.mallopt
+        except (OSError, AttributeError):   # musl and other libcs without mallopt
+            return _allocator_setting
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        if mallopt(m_mmap_threshold, 1 << 30) == 1 and mallopt(m_trim_threshold, 2**31 - 1) == 1:
+            _allocator_setting = "glibc, freed memory kept for reuse (mallopt)"
+    return _allocator_setting
+
+
 def _environment(config: Config, device: torch.device) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "device": str(device), "device_name": name, "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(), "meter": "allocator" if device.type == "cuda" else "tensors",
-            "rounds": config.rounds, "clock": config.clock, "quick": config.quick}
+            "rounds": config.rounds, "clock": config.clock, "quick": config.quick,
+            "allocator": _allocator_setting}
 
 
 def run(config: Config = DEFAULT, device: torch.device | str = "cpu",
@@ -1165,6 +1200,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time (default) or this process's CPU time (a busy CPU; use with --threads 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="leave glibc's malloc as it is (default: keep freed memory for reuse; see the module docstring)")
     return parser
 
 
@@ -1190,6 +1227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.threads < 1:
                 raise SystemExit(f"--threads {args.threads}: need at least one thread.")
             torch.set_num_threads(args.threads)   # this process is the benchmark: the setting is ours
+        if not args.system_malloc:
+            keep_freed_memory()
         try:
             bench = run(config, _device(args.device), progress=None if args.no_progress else "auto")
         except BenchError as error:

@@ -46,6 +46,13 @@ and come back when the outer region is recomputed. The hooks form a stack,
 each frame knowing only its own holders. This also works with
 ``torch.utils.checkpoint`` on either side.
 
+Contexts. ``context_fn`` gives a forward and a recomputation context, as in
+``torch.utils.checkpoint``. One extra, optional protocol: if the forward
+context has a method ``observe_saved_tensors()``, the frame calls it once and
+passes every tensor it packs to the callback it returns (if not ``None``). Selective
+checkpointing (``ckptlib.policies``) uses that to know which tensors the
+recomputation must produce, and skips the ops nothing needs.
+
 This file is the library's version of what notebook 03 builds step by step.
 """
 from __future__ import annotations
@@ -342,6 +349,10 @@ class _Frame:
         # cache), and the recompute context is entered again for every rerun.
         self.forward_context, self.recompute_context = (
             context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext()))
+        # A forward context may ask to see every tensor this frame drops (selective
+        # checkpointing uses it to rerun only the ops those tensors depend on).
+        observe = getattr(self.forward_context, "observe_saved_tensors", None)
+        self.saved_observer: Callable[[torch.Tensor], None] | None = observe() if observe is not None else None
         self.debug = debug
         self.weak_holders: list[weakref.ReferenceType[_Holder]] = []
         self.keys: list[tuple] = []  # (shape, dtype, device) of each saved tensor, in pack order
@@ -383,6 +394,8 @@ class _Frame:
 
     # -- forward ----------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> _Holder:
+        if self.saved_observer is not None:
+            self.saved_observer(tensor)
         frees_memory = not _aliases_kept_tensor(tensor, self.kept_storages) if self.check_aliases else True
         holder = _Holder(self, len(self.weak_holders), frees_memory)
         self.weak_holders.append(weakref.ref(holder))

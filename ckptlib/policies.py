@@ -18,9 +18,34 @@ A dispatch mode sees every aten op *below* autograd (``torch.mm``,
 ``F.linear`` and ``x @ w`` all arrive as ``aten.mm``/``aten.addmm``):
 
 * forward, :class:`SaveChosenOps`: run each op; if the policy says save, put
-  its output in the cache.
+  its output in the cache; and record the op graph (below).
 * recomputation, :class:`ReplaySavedOps`: for an op whose output is cached,
-  return the cached output instead of running the op; run every other op.
+  return the cached output instead of running the op; skip the ops whose
+  results nothing needs; run every other op.
+
+Skipping what nothing needs. Replaying the softmax's output spares the
+softmax, but not the ``q @ k^T``, scaling and masking that only fed it: a
+rerun that runs every op it does not replay computes them and throws them away
+(PyTorch's SAC does). So the forward mode also records which op call read and
+created which *values* (a value: the contents of one block of memory between
+two writes; views read their base's), and ``ckptlib.checkpoint`` tells it
+which tensors autograd saved (the ``observe_saved_tensors`` protocol in
+``ckptlib.checkpoint``). When forward ends, a sweep from the last call back to
+the first marks what the rerun must produce: the saved values, and the inputs
+of every call that runs. A call is skipped when none of its outputs is marked
+and it has no effect beyond them. Never skipped: random ops (the generator must
+advance as in forward; a replayed one sets it), in-place ops, ops whose result
+is not a tensor (``.item()``: a value leaves for Python), ops writing memory the
+function did not create, and ops on tensor subclasses or unusual layouts. A
+skipped call hands back empty tensors of the forward's sizes and strides on the
+*meta* device: they cost no memory, and the plan guarantees only views and other
+skipped calls read them, so a wrong plan fails loudly (an op that runs cannot mix
+meta and real tensors; the checkpoint refuses a recomputed tensor on the wrong
+device) instead of computing from garbage. The plan is used only while every
+cache entry it counted on is still there and unmodified; otherwise the rerun
+runs every op it does not replay, as before. With ``torch.utils.checkpoint``
+(``selective_contexts`` as its ``context_fn``) nobody reports the saved tensors,
+so nothing is skipped.
 
 The cache. Outputs are kept per op overload and call position: the 3rd
 ``aten.mm`` of the rerun is handed the output of the 3rd ``aten.mm`` of the
@@ -29,9 +54,9 @@ position means that an op which the checkpoint machinery itself adds in only
 one of the two runs (``aten.detach``) cannot shift the others. A replayed
 entry also checks that its inputs have the shapes the forward saw, so a rerun
 that took another path raises ``CheckpointError`` instead of handing out the
-wrong tensor. ``ckptlib.checkpoint`` asks ``context_fn`` for fresh contexts in
-forward and before every recomputation, so ``selective_checkpoint`` makes one
-cache per call and hands it to every mode it creates.
+wrong tensor. ``ckptlib.checkpoint`` calls ``context_fn`` once per call, as
+``torch.utils.checkpoint`` does, so each call gets its own cache, shared by its
+two modes (the recomputation mode is entered again for every rerun).
 
 What is never cached, whatever the policy says:
 
@@ -87,11 +112,12 @@ True
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, NamedTuple, Union
 
 import torch
@@ -145,7 +171,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
+        found = []
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple)):
+                found.extend(_tensors(item))
+        return found
     return []
 
 
@@ -193,7 +225,7 @@ def _detached(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _shapes(args: tuple) -> tuple[torch.Size, ...]:
-    return tuple(t.shape for t in _tensors(args))
+    return tuple([t.shape for t in _tensors(args)])
 
 
 def _versions(value: Any) -> tuple[int, ...]:
@@ -245,12 +277,16 @@ def _save(func: OpOverload, kind: str, args: tuple, kwargs: dict, output: Any,
 
 class _OpCache:
     """What one selective checkpoint call keeps: per op overload, its number of calls in
-    forward and the saved outputs by call position."""
+    forward and the saved outputs by call position; and, when the checkpoint reports
+    what it saves, the plan of which calls the recomputation may skip."""
 
     def __init__(self, replay_random: bool) -> None:
         self.replay_random = replay_random
         self.calls: Counter[OpOverload] = Counter()
         self.saved: dict[OpOverload, dict[int, _Saved]] = {}
+        self.graph: _OpGraph | None = None      # recorded in forward when saved tensors are observed
+        self.skippable: dict[tuple[OpOverload, int], _Skip] | None = None   # the plan, once forward ends
+        self.intact = True      # every entry the plan counted on is still here
 
     @property
     def saved_bytes(self) -> int:
@@ -265,9 +301,25 @@ class _OpCache:
             for position in [p for p, saved in by_position.items() if saved.is_stale()]:
                 del by_position[position]
 
-    def take(self, func: OpOverload, position: int, args: tuple, consume: bool) -> _Saved | None:
-        """The entry for call ``position`` of ``func``, if saved; ``consume`` forgets it
-        (nothing will replay it again), so it dies with the last tensor that uses it."""
+    def finish_forward(self) -> None:
+        """Forward is over: forget entries modified since, and plan which calls to skip."""
+        self.drop_stale()
+        if self.graph is not None:
+            cached = {(func, position) for func, by_position in self.saved.items() for position in by_position}
+            self.skippable = self.graph.unneeded_calls(cached)
+            self.graph = None
+
+    def plan_for_rerun(self) -> dict[tuple[OpOverload, int], _Skip] | None:
+        """The calls this recomputation may skip: none unless every cached entry the plan
+        counted on is still there, unmodified (otherwise its op reruns, from inputs the
+        plan may have skipped)."""
+        if self.skippable is None or not self.intact:
+            return None
+        if any(saved.is_stale() for by_position in self.saved.values() for saved in by_position.values()):
+            return None
+        return self.skippable
+
+    def check_position(self, func: OpOverload, position: int) -> None:
         if position >= self.calls[func]:
             raise CheckpointError(
                 f"selective checkpoint: the recomputation called {func} {position + 1} times, the "
@@ -275,20 +327,186 @@ class _OpCache:
                 "the ops. The checkpointed function must run the same ops in both passes: no "
                 "branches on random numbers, time, global flags or train/eval mode changed in between."
             )
+
+    def take(self, func: OpOverload, position: int, args: tuple, consume: bool) -> _Saved | None:
+        """The entry for call ``position`` of ``func``, if saved; ``consume`` forgets it
+        (nothing will replay it again), so it dies with the last tensor that uses it."""
         by_position = self.saved[func]
         saved = by_position.pop(position, None) if consume else by_position.get(position)
         if saved is not None and _shapes(args) != saved.input_shapes:
-            raise CheckpointError(
-                f"selective checkpoint: call #{position} of {func} got inputs of shapes "
-                f"{[list(shape) for shape in _shapes(args)]} in the recomputation but "
-                f"{[list(shape) for shape in saved.input_shapes]} in the forward pass, so its cached "
-                "output does not belong to this call. Make the checkpointed function run the same "
-                "ops on the same shapes in both passes."
-            )
+            _raise_shape_mismatch(func, position, args, saved.input_shapes)
         return saved
 
     def release(self) -> None:
         self.saved.clear()
+        self.intact = False
+
+
+def _raise_shape_mismatch(func: OpOverload, position: int, args: tuple, expected: tuple) -> None:
+    raise CheckpointError(
+        f"selective checkpoint: call #{position} of {func} got inputs of shapes "
+        f"{[list(shape) for shape in _shapes(args)]} in the recomputation but "
+        f"{[list(shape) for shape in expected]} in the forward pass, so its cached "
+        "output does not belong to this call. Make the checkpointed function run the same "
+        "ops on the same shapes in both passes."
+    )
+
+
+# ---------------------------------------------------------------------------
+# The op graph of one forward pass, and which calls a recomputation can skip
+# ---------------------------------------------------------------------------
+
+
+class _Skip(NamedTuple):
+    """A call the recomputation skips: what to hand back instead (empty tensors of the
+    forward's sizes and strides, in the output's structure) and the input shapes to check."""
+
+    template: Any
+    input_shapes: tuple[torch.Size, ...]
+
+
+class _Placeholder(NamedTuple):
+    size: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    def make(self) -> torch.Tensor:
+        # On the meta device: no memory, no time, and any use by an op that does run (which
+        # the plan rules out) fails loudly instead of reading garbage.
+        return torch.empty_strided(self.size, self.stride, dtype=self.dtype, device="meta")
+
+
+def _template(output: Any) -> Any:
+    """The output's structure with each tensor replaced by a :class:`_Placeholder`, or
+    ``None`` where empty stand-ins would not do (non-tensor values, subclasses, odd layouts)."""
+    if isinstance(output, torch.Tensor):
+        if (type(output) is not torch.Tensor or output.layout is not torch.strided or output.storage_offset()
+                or output.is_conj() or output.is_neg()):
+            return None
+        return _Placeholder(output.shape, output.stride(), output.dtype)
+    if isinstance(output, (list, tuple)):
+        items = [_template(item) for item in output]
+        return None if any(item is None for item in items) else type(output)(items)
+    return None
+
+
+def _from_template(template: Any) -> Any:
+    if isinstance(template, _Placeholder):
+        return template.make()
+    return type(template)(_from_template(item) for item in template)
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    try:
+        pointer = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return None
+    return pointer or None   # 0: no memory (empty or meta tensors), nothing to depend on
+
+
+@functools.lru_cache(maxsize=None)
+def _written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``func`` writes to (``self`` of ``relu_``, ``out=``)."""
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
+
+
+class _OpCall(NamedTuple):
+    key: tuple[OpOverload, int]        # (op, call position): how the rerun finds it
+    inputs: frozenset[int]             # values it reads
+    outputs: tuple[int, ...]           # values it creates (new memory, or a new version after a write)
+    must_run: bool                     # side effects, non-tensor results, or no stand-in possible
+    random: bool                       # draws random numbers: rerun unless replayed
+    in_place: bool                     # writes an argument (a replay copies into it: it must be real)
+    skip: _Skip | None
+    seconds: float = 0.0               # (measure_op_costs only) time of the call
+    reached: bool = True               # (measure_op_costs only) does a full rerun run it (early stop)?
+
+
+class _OpGraph:
+    """Which op calls read and create which values, recorded during forward.
+
+    A *value* is the contents of one block of memory between two writes: each new
+    output storage is a value, and an in-place op creates a new value in the memory
+    it writes. Views read and make no values: a view reads the memory of its base.
+    Values are numbered; a memory address maps to its current value, so an address
+    reused after a free is a new value.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[_OpCall] = []
+        self.current: dict[int, int] = {}     # storage address -> the value in it now
+        self.saved_values: set[int] = set()   # values autograd saved (what a rerun must rebuild)
+        self.next_value = 0
+
+    def _new_value(self, pointer: int) -> int:
+        value = self.next_value
+        self.next_value += 1
+        self.current[pointer] = value
+        return value
+
+    def note_saved(self, tensor: torch.Tensor) -> None:
+        pointer = _storage_key(tensor)
+        value = self.current.get(pointer) if pointer is not None else None
+        if value is not None:
+            self.saved_values.add(value)
+
+    def record(self, func: OpOverload, position: int, kind: str, args: tuple, kwargs: dict, output: Any,
+               seconds: float = 0.0, reached: bool = True) -> None:
+        """Note one (non-view) op call. Runs for every op of the forward pass: kept lean."""
+        current = self.current
+        input_pointers = [_storage_key(t) for t in (_tensors((args, tuple(kwargs.values()))) if kwargs
+                                                     else _tensors(args))]
+        inputs = frozenset([current[p] for p in input_pointers if p in current])
+        in_place = kind is _MUTATING or kind is _RANDOM_IN_PLACE
+        if in_place:
+            # Always rerun (in-place ops are cheap, and skipping one would need its aliasing
+            # outputs rebuilt); it reads its inputs, and makes a new value where it writes.
+            written = [args[i] if i < len(args) else kwargs.get(name) for i, name in _written_arguments(func)]
+            pointers = [_storage_key(t) for t in _tensors(written)]
+            outputs = tuple([self._new_value(p) for p in pointers if p is not None])
+            must_run, skip = True, None
+        else:
+            if type(output) is torch.Tensor:       # the common case, one plain tensor
+                output_pointers = [_storage_key(output)]
+            else:
+                output_pointers = [_storage_key(t) for t in _tensors(output)]
+                if not output_pointers:            # no tensor out (a Python number): a side exit
+                    output_pointers = None
+            if output_pointers is not None and all(p in input_pointers for p in output_pointers):
+                return   # returns (views of) its inputs, like a view: always rerun, no new values
+            template = _template(output) if output_pointers is not None else None
+            must_run = template is None or any(p in input_pointers for p in output_pointers)
+            outputs = tuple([self._new_value(p) for p in output_pointers or () if p is not None])
+            skip = None if must_run else _Skip(template, _shapes(args))
+        self.calls.append(_OpCall((func, position), inputs, outputs, must_run,
+                                  kind is _RANDOM or kind is _RANDOM_IN_PLACE, in_place, skip, seconds, reached))
+
+    def unneeded_calls(self, cached: Collection[tuple[OpOverload, int]]) -> dict[tuple[OpOverload, int], _Skip]:
+        """The calls a rerun can skip when the ``cached`` calls are replayed: those whose values
+        neither autograd saved nor any call that does run reads (a backward sweep)."""
+        return {call.key: call.skip for call in self._sweep(cached) if call.skip is not None}
+
+    def _sweep(self, cached: Collection[tuple[OpOverload, int]]) -> list[_OpCall]:
+        needed = set(self.saved_values)
+        skipped = []
+        for call in reversed(self.calls):
+            if call.key in cached:
+                if call.in_place:         # replayed by copying into its argument
+                    needed |= call.inputs
+                continue                  # replayed: its inputs are not read
+            if call.must_run or call.random or not needed.isdisjoint(call.outputs):
+                needed |= call.inputs
+            else:
+                skipped.append(call)
+        return skipped
+
+    def rerun_seconds(self, cached: Collection[tuple[OpOverload, int]]) -> float:
+        """(measure_op_costs graphs) Time of the calls a rerun runs: not replayed, not
+        skipped, and before the early stop."""
+        skipped = {call.key for call in self._sweep(cached)}
+        return sum(call.seconds for call in self.calls
+                   if call.reached and call.key not in cached and call.key not in skipped)
 
 
 # ---------------------------------------------------------------------------
@@ -314,56 +532,93 @@ def _as_predicate(policy: Policy) -> Callable[[OpOverload, tuple, dict], bool]:
 
 
 class SaveChosenOps(TorchDispatchMode):
-    """Forward mode: run every op, and cache the outputs of those the policy chooses."""
+    """Forward mode: run every op, and cache the outputs of those the policy chooses.
 
-    def __init__(self, policy: Policy, cache: _OpCache) -> None:
+    When the checkpoint reports the tensors it drops (``observe_saved_tensors``, called
+    by ``ckptlib.checkpoint``), it also records the op graph, from which the end of the
+    forward pass plans which calls the recomputation can skip.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False   # eager only: torch's dynamo-disabling wrapper costs ~5 us on every op
+
+    def __init__(self, policy: Policy, cache: _OpCache, *, skip_unneeded: bool = True) -> None:
         super().__init__()
         self.should_save = _as_predicate(policy)
         self.cache = cache
+        self.skip_unneeded = skip_unneeded
+
+    def observe_saved_tensors(self) -> Callable[[torch.Tensor], None] | None:
+        """Called by ``ckptlib.checkpoint`` before forward: returns where to report each
+        tensor autograd saves (or ``None``: not interested), and starts the op graph."""
+        if not self.skip_unneeded:
+            return None
+        self.cache.graph = _OpGraph()
+        return self.cache.graph.note_saved
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         kind = _op_kind(func)
-        if kind in _CACHEABLE_KINDS:
-            position = self.cache.calls[func]
-            self.cache.calls[func] += 1
-            if self.should_save(func, args, kwargs):
-                saved = _save(func, kind, args, kwargs, output, self.cache.replay_random)
-                if saved is not None:
-                    self.cache.saved.setdefault(func, {})[position] = saved
+        if kind == _VIEW:
+            return output
+        cache = self.cache
+        position = cache.calls[func]
+        cache.calls[func] = position + 1
+        if kind in _CACHEABLE_KINDS and self.should_save(func, args, kwargs):
+            saved = _save(func, kind, args, kwargs, output, cache.replay_random)
+            if saved is not None:
+                cache.saved.setdefault(func, {})[position] = saved
+        if cache.graph is not None:
+            cache.graph.record(func, position, kind, args, kwargs, output)
         return output
 
     def __exit__(self, *exc_info):
-        self.cache.drop_stale()
+        self.cache.finish_forward()
         return super().__exit__(*exc_info)
 
 
 class ReplaySavedOps(TorchDispatchMode):
-    """Recomputation mode: hand back cached outputs in forward order, run every other op.
+    """Recomputation mode: hand back cached outputs in forward order, skip the calls whose
+    results nothing needs (empty stand-ins of the right shape), run every other op.
 
     May be entered once per recomputation (``retain_graph=True`` backwards):
     each entry counts calls from zero again.
     """
+
+    _should_skip_dynamo = SaveChosenOps._should_skip_dynamo
 
     def __init__(self, cache: _OpCache) -> None:
         super().__init__()
         self.cache = cache
         self.calls: Counter[OpOverload] = Counter()
         self.consume = False
+        self.skippable: dict[tuple[OpOverload, int], _Skip] | None = None
 
     def __enter__(self):
         self.calls.clear()
         self.consume = _backward_frees_graph()
+        self.skippable = self.cache.plan_for_rerun()
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in self.cache.saved:    # no call of this op was saved (or the cache is released)
+        if _op_kind(func) == _VIEW:
             return func(*args, **kwargs)
         position = self.calls[func]
-        self.calls[func] += 1
-        saved = self.cache.take(func, position, args, self.consume)
+        self.calls[func] = position + 1
+        cache = self.cache
+        cache.check_position(func, position)
+        if self.skippable is not None:
+            skip = self.skippable.get((func, position))
+            if skip is not None:
+                if _shapes(args) != skip.input_shapes:
+                    _raise_shape_mismatch(func, position, args, skip.input_shapes)
+                return _from_template(skip.template)
+        if func not in cache.saved:     # no call of this op was saved (or the cache is released)
+            return func(*args, **kwargs)
+        saved = cache.take(func, position, args, self.consume)
         if saved is None or saved.is_stale():
             return func(*args, **kwargs)
         return saved.replay(args)
@@ -371,6 +626,7 @@ class ReplaySavedOps(TorchDispatchMode):
     def __exit__(self, *exc_info):
         if self.consume:
             self.cache.release()
+        self.skippable = None
         return super().__exit__(*exc_info)
 
 
@@ -380,23 +636,24 @@ def _backward_frees_graph() -> bool:
             and not torch._C._autograd._get_current_graph_task_keep_graph())
 
 
-def selective_contexts(policy: Policy, *, replay_random: bool = True) -> tuple[SaveChosenOps, ReplaySavedOps]:
+def selective_contexts(policy: Policy, *, replay_random: bool = True,
+                       skip_unneeded: bool = True) -> tuple[SaveChosenOps, ReplaySavedOps]:
     """A fresh ``(forward_context, recompute_context)`` pair sharing one empty cache.
 
     This is the ``context_fn`` protocol of ``torch.utils.checkpoint``, so the pair
-    also works there: ``context_fn=functools.partial(selective_contexts, save_matmuls)``.
-    With ``ckptlib.checkpoint`` use :func:`selective_checkpoint` instead: it asks
-    ``context_fn`` again before each recomputation, which would hand the rerun a
-    new, empty cache (correct gradients, nothing replayed).
+    also works there: ``context_fn=functools.partial(selective_contexts, save_matmuls)``
+    (without skipping unneeded ops: torch does not report what autograd saved).
+    With ``ckptlib.checkpoint`` it is what :func:`selective_checkpoint` does.
     ``replay_random=False`` reruns random ops instead of replaying them (needed
-    when the checkpoint does not replay the RNG state).
+    when the checkpoint does not replay the RNG state); ``skip_unneeded``: see
+    :func:`selective_checkpoint`.
 
     >>> forward_mode, recompute_mode = selective_contexts(save_matmuls)
     >>> forward_mode.cache is recompute_mode.cache
     True
     """
     cache = _OpCache(replay_random)
-    return SaveChosenOps(policy, cache), ReplaySavedOps(cache)
+    return SaveChosenOps(policy, cache, skip_unneeded=skip_unneeded), ReplaySavedOps(cache)
 
 
 def selective_checkpoint(
@@ -406,6 +663,7 @@ def selective_checkpoint(
     preserve_rng_state: bool = True,
     early_stop: bool = True,
     debug: bool = False,
+    skip_unneeded: bool = True,
     **kwargs: Any,
 ) -> Any:
     """``ckptlib.checkpoint(fn, *args, **kwargs)`` that keeps the outputs of the ops ``policy`` chooses.
@@ -417,6 +675,12 @@ def selective_checkpoint(
             its inputs (``megatron_attention``, the result of :func:`policy_from_costs`).
             Every other op is recomputed in backward.
         preserve_rng_state, early_stop, debug: as for :func:`ckptlib.checkpoint`.
+        skip_unneeded: in the rerun, skip the ops whose results nothing needs (those
+            that only fed kept outputs; see the module notes). Turn it off for a
+            function that hands tensor data to Python without an aten op in between
+            (``t.numpy()``, ``t.tolist()``) and computes on from there: such a use is
+            invisible to the op graph, and the rerun would fail on a skipped tensor
+            (loudly: skipped results live on the meta device).
 
     Gradients equal plain autograd bitwise; ``retain_graph=True`` works.
 
@@ -434,16 +698,10 @@ def selective_checkpoint(
     >>> torch.equal(w.grad, expected)
     True
     """
-    # One cache per call. ckptlib.checkpoint asks context_fn for its contexts in
-    # forward and again before each recomputation, so every call of this
-    # context_fn must hand out modes over the *same* cache.
-    cache = _OpCache(replay_random=preserve_rng_state)
-
-    def context_fn() -> tuple[SaveChosenOps, ReplaySavedOps]:
-        return SaveChosenOps(policy, cache), ReplaySavedOps(cache)
-
+    forward_mode, recompute_mode = selective_contexts(policy, replay_random=preserve_rng_state,
+                                                      skip_unneeded=skip_unneeded)
     return checkpoint(fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop,
-                      debug=debug, context_fn=context_fn, **kwargs)
+                      debug=debug, context_fn=lambda: (forward_mode, recompute_mode), **kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -547,6 +805,11 @@ class CostProfile:
 
     ops: Mapping[OpCall, OpCost]
     activation_bytes: int   # what autograd saves in a plain forward (what full checkpointing drops)
+    # The measured run's op graph (per-call times) and, per signature, its calls' keys: what
+    # choose_ops needs to count the calls a rerun can skip. None for a hand-made profile.
+    graph: "_OpGraph | None" = field(default=None, repr=False, compare=False)
+    keys: Mapping[OpCall, tuple[tuple[OpOverload, int], ...]] = field(default_factory=dict, repr=False,
+                                                                      compare=False)
 
     def __str__(self) -> str:
         rows = [f"{'op and input shapes':64s} {'calls':>5s} {'ms':>7s} {'MiB':>7s} {'ms/MiB':>7s}"]
@@ -566,7 +829,11 @@ class CostPolicy:
     used_bytes: int
 
     def __call__(self, op: OpOverload, *args: Any, **kwargs: Any) -> bool:
-        return OpCall.of(op, args) in self.chosen
+        return op in self._ops and OpCall.of(op, args) in self.chosen
+
+    @functools.cached_property
+    def _ops(self) -> frozenset[OpOverload]:
+        return frozenset(call.op for call in self.chosen)
 
     def __str__(self) -> str:
         calls = "".join(f"\n  {call}" for call in sorted(map(str, self.chosen)))
@@ -574,20 +841,28 @@ class CostPolicy:
 
 
 class _OpTimer(TorchDispatchMode):
-    """Times every cacheable op call and counts the bytes its cache entry would hold."""
+    """Times every op call, counts the bytes its cache entry would hold, and records the op
+    graph (which calls a rerun could skip)."""
+
+    _should_skip_dynamo = SaveChosenOps._should_skip_dynamo
 
     def __init__(self) -> None:
         super().__init__()
-        self.records: list[tuple[OpCall, float, int, int]] = []  # call, seconds, bytes, packs before it
+        self.records: list[tuple[OpCall, tuple[OpOverload, int], float, int, int]] = []
+        # (signature, key, seconds, bytes, packs before it), for calls a cache entry could replay
         self.created: set[int] = set()     # storages made inside the function
         self.saved_storages: dict[int, int] = {}
         self.packs = 0
+        self.positions: Counter[OpOverload] = Counter()
+        self.graph = _OpGraph()
+        self.packs_before: list[int] = []   # per recorded graph call
 
     def count_saved(self, tensor: torch.Tensor) -> torch.Tensor:
         """Pack hook: autograd saves ``tensor`` (kept as is; counted once per storage)."""
         storage = tensor.untyped_storage()
         self.saved_storages[storage.data_ptr()] = storage.nbytes()
         self.packs += 1
+        self.graph.note_saved(tensor)
         return tensor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -598,30 +873,54 @@ class _OpTimer(TorchDispatchMode):
         elapsed_s = time.perf_counter() - start
         self.created |= _storages(output)
         kind = _op_kind(func)
+        if kind == _VIEW:
+            return output
+        position = self.positions[func]
+        self.positions[func] = position + 1
+        recorded = len(self.graph.calls)
+        self.graph.record(func, position, kind, args, kwargs, output, seconds=elapsed_s)
+        if len(self.graph.calls) > recorded:
+            self.packs_before.append(packs_before)
         if kind in _CACHEABLE_KINDS:
             saved = _save(func, kind, args, kwargs, output, replay_random=True)
             if saved is not None:
-                self.records.append((OpCall.of(func, args), elapsed_s, saved.nbytes, packs_before))
+                self.records.append((OpCall.of(func, args), (func, position), elapsed_s, saved.nbytes, packs_before))
         return output
 
-    def costs(self) -> dict[OpCall, OpCost]:
-        """Per call signature: calls, time of the calls a rerun reaches, output bytes.
+    def finish(self, output: Any) -> None:
+        """The function returned ``output``: mark the calls a rerun never reaches (they start
+        after the last saved tensor: early stop), and the bytes that cost nothing to cache
+        (the output's own storages, alive anyway)."""
+        self.graph.calls = [call._replace(reached=before < self.packs)
+                            for call, before in zip(self.graph.calls, self.packs_before)]
+        self.returned = {p for p in map(_storage_key, _tensors(output)) if p is not None}
 
-        A call is rerun if autograd saved something after it began: the rerun
-        stops at the last saved tensor, before any op that starts later.
-        """
-        calls, time_s, output_bytes = Counter(), Counter(), Counter()
-        for call, elapsed_s, nbytes, packs_before in self.records:
+    def costs(self) -> tuple[dict[OpCall, OpCost], dict[OpCall, tuple[tuple[OpOverload, int], ...]]]:
+        """Per call signature: calls, time of the calls a rerun reaches, bytes of the outputs
+        (not counting the function's own output), and the calls' keys."""
+        calls, time_s, output_bytes, keys = Counter(), Counter(), Counter(), {}
+        for call, key, elapsed_s, nbytes, packs_before in self.records:
             calls[call] += 1
-            output_bytes[call] += nbytes
+            keys[call] = keys.get(call, ()) + (key,)
+            output_bytes[call] += 0 if self._is_returned(key) else nbytes
             time_s[call] += elapsed_s if packs_before < self.packs else 0.0
-        return {call: OpCost(calls[call], time_s[call], output_bytes[call]) for call in calls}
+        return {call: OpCost(calls[call], time_s[call], output_bytes[call]) for call in calls}, keys
+
+    def _is_returned(self, key: tuple[OpOverload, int]) -> bool:
+        return key in self._returned_keys
+
+    @functools.cached_property
+    def _returned_keys(self) -> set[tuple[OpOverload, int]]:
+        # The calls whose output storage is the function's output (the value still current there).
+        returned_values = {self.graph.current[p] for p in self.returned if p in self.graph.current}
+        return {call.key for call in self.graph.calls if not returned_values.isdisjoint(call.outputs)}
 
 
 def measure_op_costs(fn: Callable[..., Any], *args: Any, repeats: int = 3, **kwargs: Any) -> CostProfile:
     """Run ``fn(*args, **kwargs)`` with autograd, as in training, ``1 + repeats`` times and
     measure per call signature the time (median over the repeats; the first run warms up)
-    and the bytes of the outputs; and the bytes autograd saves.
+    and the bytes of the outputs; and the bytes autograd saves. The profile also keeps the
+    op graph of the last run, with each call's median time, for :func:`choose_ops`.
 
     >>> x = torch.randn(64, 64, requires_grad=True)
     >>> profile = measure_op_costs(lambda t: (t @ t).relu(), x, repeats=1)
@@ -634,29 +933,46 @@ def measure_op_costs(fn: Callable[..., Any], *args: Any, repeats: int = 3, **kwa
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}.")
-    runs = []
+    runs, graphs = [], []
     for _ in range(1 + repeats):
         timer = _OpTimer()
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(timer.count_saved, _identity), timer:
             output = fn(*args, **kwargs)
+        timer.finish(output)
         # `output` keeps the graph alive, so no saved storage was freed and its address reused.
         activation_bytes = sum(n for ptr, n in timer.saved_storages.items() if ptr in timer.created)
         del output
         runs.append(timer.costs())
-    timed = runs[1:]
-    ops = {call: OpCost(cost.calls, statistics.median(run[call].time_s for run in timed), cost.output_bytes)
-           for call, cost in timed[-1].items()}
-    return CostProfile(ops, activation_bytes)
+        graphs.append(timer.graph)
+    timed, timed_graphs = runs[1:], graphs[1:]
+    last, keys = timed[-1]
+    ops = {call: OpCost(cost.calls, statistics.median(run[call].time_s for run, _ in timed), cost.output_bytes)
+           for call, cost in last.items()}
+    graph = timed_graphs[-1]
+    graph.calls = [call._replace(seconds=statistics.median(g.calls[i].seconds for g in timed_graphs))
+                   for i, call in enumerate(graph.calls)]
+    return CostProfile(ops, activation_bytes, graph, keys)
 
 
 def _identity(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def choose_ops(profile: CostProfile, budget_bytes: int) -> CostPolicy:
-    """The call signatures to keep: most time saved per byte first, while their outputs fit
-    in ``budget_bytes`` (one that does not fit is skipped; a smaller one after it may fit).
-    Pure and deterministic: ties go by name; calls that save no time are never kept.
+def choose_ops(profile: CostProfile, budget_bytes: int, *, worth: float = 1.0) -> CostPolicy:
+    """The call signatures to keep: most recomputation time saved per byte first, while their
+    outputs fit in ``budget_bytes``. Pure and deterministic: ties go by name; calls that save
+    no time are never kept.
+
+    With the op graph of :func:`measure_op_costs`, the time a choice saves is counted on the
+    graph: keeping the softmax's output also saves the ``q @ k^T``, scaling and masking that
+    only fed it, since the rerun skips them. Such savings only appear for a *set* of outputs
+    (keeping ``q``, ``k`` and ``v`` makes the projection before them unneeded, keeping one of
+    them does not), so each step weighs single signatures and pairs, and takes the best time
+    saved per byte. A hand-made profile without a graph counts each signature's own time.
+    On the graph, a choice must also be worth its bytes: save at least ``worth`` times the
+    full rerun's average time per activation byte (what checkpointing pays per byte it
+    frees). Below that, recomputing is the better deal, however much budget is left;
+    ``worth=0`` fills the budget.
 
     >>> mm, gelu, add = (OpCall(op, ((8, 8),)) for op in (aten.mm.default, aten.gelu.default, aten.add.Tensor))
     >>> profile = CostProfile({mm: OpCost(4, 0.040, 4000), gelu: OpCost(2, 0.004, 4000),
@@ -666,21 +982,65 @@ def choose_ops(profile: CostProfile, budget_bytes: int) -> CostPolicy:
       aten.add.Tensor(8x8)
       aten.mm.default(8x8)
     """
-    ranked = sorted(profile.ops.items(), key=lambda item: (-item[1].seconds_per_byte, str(item[0])))
-    chosen, used_bytes = set(), 0
-    for call, cost in ranked:
-        if cost.time_s > 0 and used_bytes + cost.output_bytes <= budget_bytes:
-            chosen.add(call)
-            used_bytes += cost.output_bytes
-    return CostPolicy(frozenset(chosen), budget_bytes, used_bytes)
+    if profile.graph is None:
+        ranked = sorted(profile.ops.items(), key=lambda item: (-item[1].seconds_per_byte, str(item[0])))
+        chosen, used_bytes = set(), 0
+        for call, cost in ranked:
+            if cost.time_s > 0 and used_bytes + cost.output_bytes <= budget_bytes:
+                chosen.add(call)
+                used_bytes += cost.output_bytes
+        return CostPolicy(frozenset(chosen), budget_bytes, used_bytes)
+    return _choose_on_graph(profile, budget_bytes, worth)
+
+
+def _choose_on_graph(profile: CostProfile, budget_bytes: int, worth: float) -> CostPolicy:
+    graph = profile.graph
+    assert graph is not None
+    full_rerun_s = graph.rerun_seconds(())
+    threshold = worth * full_rerun_s / profile.activation_bytes if profile.activation_bytes else 0.0
+    names = {call: str(call) for call in profile.ops}
+    candidates = sorted((call for call in profile.ops if call in profile.keys), key=names.__getitem__)
+
+    def rerun_seconds(chosen: frozenset[OpCall]) -> float:
+        return graph.rerun_seconds({key for call in chosen for key in profile.keys[call]})
+
+    chosen: frozenset[OpCall] = frozenset()
+    used_bytes, current_s = 0, rerun_seconds(chosen)
+    while True:
+        best = None
+        remaining = [call for call in candidates if call not in chosen
+                     and used_bytes + profile.ops[call].output_bytes <= budget_bytes]
+        moves = [(call,) for call in remaining] + list(itertools.combinations(remaining, 2))
+        for move in moves:
+            extra_bytes = sum(profile.ops[call].output_bytes for call in move)
+            if used_bytes + extra_bytes > budget_bytes:
+                continue
+            saved_s = current_s - rerun_seconds(chosen | frozenset(move))
+            if saved_s <= 1e-9 * max(full_rerun_s, 1e-9) or saved_s < threshold * extra_bytes:
+                continue
+            # time per byte; a free move (bytes 0) first; ties by size of move, then names
+            score = (saved_s / extra_bytes if extra_bytes else math.inf, -len(move),
+                     [names[call] for call in move])
+            if best is None or (score[0], score[1]) > (best[0][0], best[0][1]) or (
+                    (score[0], score[1]) == (best[0][0], best[0][1]) and score[2] < best[0][2]):
+                best = (score, move, extra_bytes)
+        if best is None:
+            break
+        _, move, extra_bytes = best
+        chosen |= frozenset(move)
+        used_bytes += extra_bytes
+        current_s = rerun_seconds(chosen)
+    return CostPolicy(chosen, budget_bytes, used_bytes)
 
 
 def policy_from_costs(fn: Callable[..., Any], *args: Any, memory_ratio: float | None = None,
-                      budget_bytes: int | None = None, repeats: int = 3, **kwargs: Any) -> CostPolicy:
+                      budget_bytes: int | None = None, repeats: int = 3, worth: float = 1.0,
+                      **kwargs: Any) -> CostPolicy:
     """Measure ``fn`` (:func:`measure_op_costs`) and keep the call signatures that save the
     most recomputation time per byte, within a byte budget: ``budget_bytes``, or
     ``memory_ratio`` times the activations plain autograd saves for ``fn`` (``0.4``: cache
-    at most 40% of what full checkpointing drops). Give exactly one of the two.
+    at most 40% of what full checkpointing drops). Give exactly one of the two. ``worth``:
+    see :func:`choose_ops`.
 
     Profile one block with its real input; the policy then serves every block of that shape.
 
@@ -697,4 +1057,4 @@ def policy_from_costs(fn: Callable[..., Any], *args: Any, memory_ratio: float | 
     profile = measure_op_costs(fn, *args, repeats=repeats, **kwargs)
     if budget_bytes is None:
         budget_bytes = int(memory_ratio * profile.activation_bytes)
-    return choose_ops(profile, budget_bytes)
+    return choose_ops(profile, budget_bytes, worth=worth)

@@ -7,7 +7,11 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from ckptlib.checkpoint import CheckpointError, checkpoint, is_recomputing
 from ckptlib.memory import MemoryMeter
@@ -16,6 +20,8 @@ from ckptlib.policies import (
     CostProfile, OpCall, OpCost, choose_ops, measure_op_costs, megatron_attention, policy_from_costs,
     save_matmuls, selective_checkpoint, selective_contexts,
 )
+
+from tests.test_checkpoint import UNARY, assert_bitwise, grads_of, saved_hooks_installed
 
 aten = torch.ops.aten
 
@@ -334,7 +340,8 @@ def test_measure_op_costs_per_call_signature():
     first = profile.ops[OpCall(aten.mm.default, ((16, 32), (32, 64)))]
     relu = profile.ops[OpCall(aten.relu.default, ((16, 64),))]
     last = profile.ops[OpCall(aten.mm.default, ((16, 64), (64, 8)))]
-    assert (first.calls, first.output_bytes, relu.output_bytes, last.output_bytes) == (1, 4096, 4096, 512)
+    # The last mm's output is the function's output, alive anyway: caching it costs no bytes.
+    assert (first.calls, first.output_bytes, relu.output_bytes, last.output_bytes) == (1, 4096, 4096, 0)
     assert first.time_s > 0 and relu.time_s > 0
     # The last mm starts after autograd saved its last tensor: a rerun stops before it.
     assert last.time_s == 0
@@ -367,3 +374,164 @@ def test_policy_from_costs_needs_exactly_one_budget():
         policy_from_costs(torch.sin, x)
     with pytest.raises(ValueError, match="exactly one budget"):
         policy_from_costs(torch.sin, x, memory_ratio=0.5, budget_bytes=10)
+
+
+# ---------------------------------------------------------------------------
+# The rerun skips what nothing needs
+# ---------------------------------------------------------------------------
+
+
+def test_rerun_skips_the_ops_that_only_fed_a_kept_output():
+    # Keep the softmax's output: q @ k^T, the scaling and the mask only fed it, so the rerun skips
+    # them (PyTorch's SAC with the same op list reruns them and then discards the result).
+    block = make_block(0.0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    y = selective_checkpoint(block, x, policy={aten._softmax})
+    with OpCounter() as ours:
+        y.sum().backward()
+    torch_y = torch_checkpoint(block, x, use_reentrant=False, context_fn=functools.partial(
+        create_selective_checkpoint_contexts, [aten._softmax.default]))
+    with OpCounter() as theirs:      # torch's rerun is not ckptlib's: all its ops count as "other"
+        torch_y.sum().backward()
+    ran = ours.recompute
+    assert ran["_softmax"] == ran["masked_fill"] == ran["mul"] == 0
+    assert ran["bmm"] == 1                                     # weights @ v: its output is needed
+    assert ran["addmm"] == 3 and ran["native_layer_norm"] == 2   # the rest still reruns
+    ours_total = ours.recompute + ours.other
+    for op, skipped in {"masked_fill": 1, "bmm": 1, "mul": 1}.items():
+        assert theirs.other[op] - ours_total[op] == skipped, op
+
+
+@pytest.mark.parametrize("policy", [{aten._softmax}, {aten.clone}, {aten.addmm, aten.add}, save_matmuls])
+def test_skipping_keeps_gradients_bitwise(policy):
+    block = make_block(0.1)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    expected = grads(plain, block, x)
+    actual = grads(lambda b, inp: selective_checkpoint(b, inp, policy=policy), block, x)
+    assert_bitwise_equal(actual, expected)
+
+
+def test_no_skipping_once_the_cache_is_gone():
+    # The plan skips mm because softmax is replayed. A first backward (through the softmax) frees
+    # the cache; a second one (through b, which saved s but does not lead back to the softmax)
+    # reruns softmax, which then needs mm's real output: the plan must not be used again.
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def f(t):
+        s = (t @ w).softmax(-1)
+        return s * 2, s.detach() * t
+
+    def both_grads(run):
+        a, b = run()
+        return torch.autograd.grad(a.sum(), (x, w)) + torch.autograd.grad(b.sum(), (x,))
+
+    expected = both_grads(lambda: f(x))
+    actual = both_grads(lambda: selective_checkpoint(f, x, policy={aten._softmax}))
+    assert_bitwise_equal(list(actual), list(expected))
+
+
+def test_plan_is_made_only_when_the_checkpoint_reports_saved_tensors():
+    # With torch.utils.checkpoint, nobody tells the modes what autograd saved: nothing is skipped.
+    forward_mode, recompute_mode = selective_contexts({aten._softmax})
+    block = make_block(0.0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    y = torch_checkpoint(block, x, use_reentrant=False, context_fn=lambda: (forward_mode, recompute_mode))
+    assert forward_mode.cache.skippable is None
+    with OpCounter() as counter:
+        y.sum().backward()
+    assert counter.other["masked_fill"] == 2       # rerun and backward
+    forward_mode, _ = selective_contexts({aten._softmax})
+    assert callable(forward_mode.observe_saved_tensors())
+
+
+# ---------------------------------------------------------------------------
+# Random chains of ops, random policies
+# ---------------------------------------------------------------------------
+
+POLICY_OPS = [aten.mm, aten.sin, aten.exp, aten.tanh, aten.relu, aten.mul, aten._softmax, aten.gelu,
+              aten.native_layer_norm, aten.clone, aten.clamp, aten.bernoulli_, aten.div_, aten.expand,
+              aten.slice, aten.transpose]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ops=st.lists(st.sampled_from(sorted(UNARY)), min_size=1, max_size=6),
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    split=st.integers(0, 6),
+    policy=st.sets(st.sampled_from(POLICY_OPS)),
+)
+def test_random_chains_and_policies_match_plain_bitwise(ops, shape, split, policy):
+    split = min(split, len(ops))
+    x = torch.randn(*shape, requires_grad=True)
+
+    def chain(t, names):
+        for name in names:
+            t = UNARY[name](t)
+        return t
+
+    def run(wrap):
+        return chain(wrap(lambda t: chain(t, ops[:split]), x), ops[split:])
+
+    expected = grads_of(lambda: run(lambda f, t: f(t)), [x], seed=1)
+    actual = grads_of(lambda: run(lambda f, t: selective_checkpoint(f, t, policy=policy)), [x], seed=1)
+    assert_bitwise(expected, actual)
+    assert not saved_hooks_installed()
+
+
+# ---------------------------------------------------------------------------
+# Choosing on the op graph
+# ---------------------------------------------------------------------------
+
+
+def two_halves_profile() -> CostProfile:
+    """h = x @ w feeds two exps of different widths; autograd saves only the exps' outputs.
+    Times are set by hand (mm 1 s, each exp 10 ms): the choice, not the clock, is under test."""
+    w = torch.randn(64, 64)
+    x = torch.randn(16, 64, requires_grad=True)
+
+    def f(t):
+        h = t @ w
+        return torch.cat([h[:, :24].exp(), h[:, 24:].exp()], dim=1)
+
+    profile = measure_op_costs(f, x, repeats=1)
+    seconds = {"mm": 1.0, "exp": 0.01}
+    profile.graph.calls = [call._replace(seconds=seconds.get(call.key[0].overloadpacket.__name__, 0.0))
+                           for call in profile.graph.calls]
+    return profile
+
+
+def test_choose_ops_finds_outputs_that_only_pay_off_together():
+    profile = two_halves_profile()
+    h_bytes = 16 * 64 * 4
+    policy = choose_ops(profile, budget_bytes=h_bytes, worth=0.5)
+    # Keeping both exps' outputs (the same bytes as h) spares the mm *and* the exps; either
+    # alone spares one exp; h alone spares only the mm.
+    assert {call.op for call in policy.chosen} == {aten.exp.default}
+    assert len(policy.chosen) == 2 and policy.used_bytes == h_bytes
+
+
+def test_choose_ops_keeps_nothing_not_worth_its_bytes():
+    profile = two_halves_profile()
+    assert not choose_ops(profile, budget_bytes=10**9, worth=2.0).chosen   # nothing saves 2x the average
+    assert choose_ops(profile, budget_bytes=10**9, worth=0.0).chosen
+
+
+def test_data_leaving_through_numpy_fails_loudly_unless_skipping_is_off():
+    # h only feeds numpy, which the op graph cannot see: the rerun skips the mm, and the skipped
+    # result (on the meta device) cannot be read. skip_unneeded=False reruns every op.
+    w = torch.randn(6, 6)
+    x = torch.randn(3, 6, requires_grad=True)
+
+    def f(t):
+        h = t @ w
+        mask = torch.from_numpy(h.detach().numpy() > 0)
+        return (t * mask).sin()
+
+    y = selective_checkpoint(f, x, policy={aten.sin})
+    with pytest.raises(TypeError, match="meta"):
+        y.sum().backward()
+    assert not saved_hooks_installed()
+    x.grad = None
+    selective_checkpoint(f, x, policy={aten.sin}, skip_unneeded=False).sum().backward()
+    assert torch.equal(x.grad, torch.autograd.grad(f(x).sum(), x)[0])
