@@ -16,8 +16,10 @@ seed, same batch) and differ only in how activations are kept:
 ``selective``  4 blocks, d_model 256, seq 256, batch 4: full checkpointing
                (ckptlib and torch) and selective checkpointing that keeps the
                matmul outputs (``ckptlib.policies.save_matmuls`` and PyTorch's
-               ``create_selective_checkpoint_contexts`` with the same ops), and
-               ckptlib's Megatron-style policy (recompute only the attention core).
+               ``create_selective_checkpoint_contexts`` with the same ops),
+               ckptlib's Megatron-style policy (recompute only the attention core),
+               and a policy chosen from one block's measured op costs
+               (``policy_from_costs``, up to half of the block's activations).
 ``offload``    saved tensors moved to CPU: ``ckptlib.offload`` and
                ``torch.autograd.graph.save_on_cpu``.
 
