@@ -455,8 +455,8 @@ class _OpGraph:
                seconds: float = 0.0, reached: bool = True) -> None:
         """Note one (non-view) op call. Runs for every op of the forward pass: kept lean."""
         current = self.current
-        input_pointers = [_storage_key(t) for t in (_tensors((args, tuple(kwargs.values()))) if kwargs
-                                                     else _tensors(args))]
+        input_tensors = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
+        input_pointers = [_storage_key(t) for t in input_tensors]
         inputs = frozenset([current[p] for p in input_pointers if p in current])
         in_place = kind is _MUTATING or kind is _RANDOM_IN_PLACE
         if in_place:
@@ -466,19 +466,24 @@ class _OpGraph:
             pointers = [_storage_key(t) for t in _tensors(written)]
             outputs = tuple([self._new_value(p) for p in pointers if p is not None])
             must_run, skip = True, None
+        elif type(output) is torch.Tensor:         # the common case, one plain tensor
+            pointer = _storage_key(output)
+            if pointer in input_pointers:
+                return   # returns (a view of) an input, like a view: always rerun, no new value
+            template = _template(output)
+            must_run = template is None
+            outputs = (self._new_value(pointer),) if pointer is not None else ()
+            skip = None if must_run else _Skip(template, tuple([t.shape for t in input_tensors]))
         else:
-            if type(output) is torch.Tensor:       # the common case, one plain tensor
-                output_pointers = [_storage_key(output)]
-            else:
-                output_pointers = [_storage_key(t) for t in _tensors(output)]
-                if not output_pointers:            # no tensor out (a Python number): a side exit
-                    output_pointers = None
-            if output_pointers is not None and all(p in input_pointers for p in output_pointers):
+            output_pointers = [_storage_key(t) for t in _tensors(output)]
+            if output_pointers and all(p in input_pointers for p in output_pointers):
                 return   # returns (views of) its inputs, like a view: always rerun, no new values
-            template = _template(output) if output_pointers is not None else None
+            # No tensor out (a Python number: a value leaves for Python), or some outputs alias
+            # inputs, or no stand-in possible: always rerun.
+            template = _template(output) if output_pointers else None
             must_run = template is None or any(p in input_pointers for p in output_pointers)
-            outputs = tuple([self._new_value(p) for p in output_pointers or () if p is not None])
-            skip = None if must_run else _Skip(template, _shapes(args))
+            outputs = tuple([self._new_value(p) for p in output_pointers if p is not None])
+            skip = None if must_run else _Skip(template, tuple([t.shape for t in input_tensors]))
         self.calls.append(_OpCall((func, position), inputs, outputs, must_run,
                                   kind is _RANDOM or kind is _RANDOM_IN_PLACE, in_place, skip, seconds, reached))
 
@@ -613,8 +618,9 @@ class ReplaySavedOps(TorchDispatchMode):
         if self.skippable is not None:
             skip = self.skippable.get((func, position))
             if skip is not None:
-                if _shapes(args) != skip.input_shapes:
-                    _raise_shape_mismatch(func, position, args, skip.input_shapes)
+                inputs = (args, tuple(kwargs.values())) if kwargs else args
+                if _shapes(inputs) != skip.input_shapes:
+                    _raise_shape_mismatch(func, position, inputs, skip.input_shapes)
                 return _from_template(skip.template)
         if func not in cache.saved:     # no call of this op was saved (or the cache is released)
             return func(*args, **kwargs)
