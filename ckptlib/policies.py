@@ -47,6 +47,13 @@ runs every op it does not replay, as before. With ``torch.utils.checkpoint``
 (``selective_contexts`` as its ``context_fn``) nobody reports the saved tensors,
 so nothing is skipped.
 
+Autocast. Under autocast, the first use of a parameter in an autocast region
+casts it (``aten._to_copy``) and later uses reuse the cast, so forward and
+rerun need not issue the same casts: the forward may have cast a weight for an
+earlier block, the rerun (a region of its own) casts it again. Casts of leaf
+tensors that require grad (what autocast caches) are therefore invisible to the
+modes: not counted, never cached or skipped, always run.
+
 The cache. Outputs are kept per op overload and call position: the 3rd
 ``aten.mm`` of the rerun is handed the output of the 3rd ``aten.mm`` of the
 forward (if the policy chose that call). Keying on the op as well as the
@@ -566,7 +573,7 @@ class SaveChosenOps(TorchDispatchMode):
         kwargs = kwargs or {}
         output = func(*args, **kwargs)
         kind = _op_kind(func)
-        if kind == _VIEW:
+        if kind == _VIEW or _is_parameter_cast(func, args):
             return output
         cache = self.cache
         position = cache.calls[func]
@@ -609,7 +616,7 @@ class ReplaySavedOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _op_kind(func) == _VIEW:
+        if _op_kind(func) == _VIEW or _is_parameter_cast(func, args):
             return func(*args, **kwargs)
         position = self.calls[func]
         self.calls[func] = position + 1
@@ -634,6 +641,15 @@ class ReplaySavedOps(TorchDispatchMode):
             self.cache.release()
         self.skippable = None
         return super().__exit__(*exc_info)
+
+
+def _is_parameter_cast(func: OpOverload, args: tuple) -> bool:
+    """A cast of a leaf that requires grad (a parameter): what autocast caches per region, so
+    forward and rerun need not both issue it. Such calls are left out of the positions."""
+    return func is _TO_COPY and args[0].requires_grad and args[0].is_leaf
+
+
+_TO_COPY = aten._to_copy.default
 
 
 def _backward_frees_graph() -> bool:
@@ -879,7 +895,7 @@ class _OpTimer(TorchDispatchMode):
         elapsed_s = time.perf_counter() - start
         self.created |= _storages(output)
         kind = _op_kind(func)
-        if kind == _VIEW:
+        if kind == _VIEW or _is_parameter_cast(func, args):
             return output
         position = self.positions[func]
         self.positions[func] = position + 1

@@ -535,3 +535,37 @@ def test_data_leaving_through_numpy_fails_loudly_unless_skipping_is_off():
     x.grad = None
     selective_checkpoint(f, x, policy={aten.sin}, skip_unneeded=False).sum().backward()
     assert torch.equal(x.grad, torch.autograd.grad(f(x).sum(), x)[0])
+
+
+@pytest.mark.parametrize("policy", [set(), {aten._softmax}, {aten.mm}, {aten.sin, aten.mul}])
+def test_skipping_with_nested_checkpoints_inside(policy):
+    # Inside the outer region: a full checkpoint whose result nothing uses (the outer rerun skips
+    # its inner ops, hands it meta stand-ins, and its frame is never unpacked) and a selective one.
+    x = torch.randn(5, 6, requires_grad=True)
+    w = torch.randn(6, 6, requires_grad=True)
+
+    def outer(t):
+        a = (t @ w).sin()
+        checkpoint(lambda u: (u @ w).exp(), a * 3)
+        h = selective_checkpoint(lambda u: (u @ w).softmax(-1) @ w, a.cos(), policy={aten._softmax})
+        return h.tanh() + a
+
+    expected = grads_of(lambda: outer(x), [x, w])
+    assert_bitwise(expected, grads_of(lambda: selective_checkpoint(outer, x, policy=policy), [x, w]))
+    assert_bitwise(expected, grads_of(
+        lambda: checkpoint(lambda t: selective_checkpoint(outer, t, policy=policy), x), [x, w]))
+    assert not saved_hooks_installed()
+
+
+def test_skipping_under_bf16_autocast():
+    block = make_block(0.0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+
+    def under_autocast(run):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return grads(run, block, x)
+
+    expected = under_autocast(plain)
+    for policy in ({aten._softmax}, save_matmuls):
+        actual = under_autocast(lambda b, inp: selective_checkpoint(b, inp, policy=policy))
+        assert_bitwise_equal(actual, expected)
