@@ -37,7 +37,9 @@ def cli_run(tmp_path_factory):
         patch.setattr("sys.stdout", stdout)
         try:
             # One thread: tiny ops gain nothing from two, and a busy machine slows them a lot.
-            code = main(["--quick", "--threads", "1", "--clock", "cpu", "--no-progress",
+            # --system-malloc: keep_freed_memory would change the allocator of the whole test process
+            # (tested on its own, in a subprocess).
+            code = main(["--quick", "--threads", "1", "--clock", "cpu", "--no-progress", "--system-malloc",
                          "--json", str(out / "results" / "cpu.json"),
                          "--markdown", str(readme), "--figures", str(out / "figures")])
         finally:
@@ -67,6 +69,7 @@ def test_json_schema(cli_run):
     environment = summary["environment"]
     assert (environment["device"], environment["meter"], environment["clock"], environment["threads"]) == (
         "cpu", "tensors", "cpu", 1)
+    assert environment["allocator"] == "system default"        # --system-malloc
     assert summary["meter_agreement"] is None                 # only measured on CUDA
     groups = summary["groups"]
     assert list(groups["blocks"]["variants"]) == ["plain", "torch", "ckptlib", "sqrt", "plain_metered",
@@ -269,3 +272,16 @@ def test_write_markdown_appends_then_replaces(tmp_path, cli_run):
     assert first.startswith("# Bench\n\n" + MARKDOWN_BEGIN) and first.endswith(MARKDOWN_END + "\n")
     write_markdown(path, cli_run["summary"])
     assert path.read_text() == first
+
+
+def test_keep_freed_memory_sets_glibc_in_its_own_process():
+    import subprocess
+    import sys
+
+    script = "from ckptlib.bench import keep_freed_memory as k, _environment, TINY; print(k()); " \
+             "import torch; print(_environment(TINY, torch.device('cpu'))['allocator'])"
+    lines = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    if sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver()):
+        assert lines[0] == lines[1] == "glibc, freed memory kept for reuse (mallopt)"
+    else:
+        assert lines[0] == lines[1] == "system default"
