@@ -569,3 +569,40 @@ def test_skipping_under_bf16_autocast():
     for policy in ({aten._softmax}, save_matmuls):
         actual = under_autocast(lambda b, inp: selective_checkpoint(b, inp, policy=policy))
         assert_bitwise_equal(actual, expected)
+
+
+class FusedAttention(torch.nn.Module):
+    """Attention through F.scaled_dot_product_attention (a fused op with several outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(32, 96), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 8, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
+        return self.out(attended.transpose(1, 2).reshape(2, 8, 32))
+
+
+def token_loss(embedding: torch.nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+    hidden = embedding(tokens)
+    return F.cross_entropy(hidden.view(-1, 32) @ embedding.weight.t(), tokens.view(-1)).unsqueeze(0)
+
+
+@pytest.mark.parametrize("policy", [
+    set(), save_matmuls, megatron_attention, {aten._softmax, aten.clone, aten.add}, {aten.native_layer_norm},
+    {aten._scaled_dot_product_flash_attention_for_cpu}, lambda op, *args, **kwargs: True,
+], ids=["nothing", "save_matmuls", "megatron", "softmax_clone_add", "layer_norm", "fused_attention", "everything"])
+@pytest.mark.parametrize("model", ["encoder_layer", "fused_attention", "embedding_loss"])
+def test_skipping_on_other_modules_matches_plain_bitwise(model, policy):
+    torch.manual_seed(0)
+    if model == "embedding_loss":
+        embedding = torch.nn.Embedding(50, 32)
+        fn, inp, params = functools.partial(token_loss, embedding), torch.randint(50, (2, 8)), [embedding.weight]
+    else:
+        module = (torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+                  if model == "encoder_layer" else FusedAttention())
+        fn, inp, params = module, torch.randn(2, 8, 32, requires_grad=True), list(module.parameters())
+    tensors = ([inp] if inp.requires_grad else []) + params
+    expected = grads_of(lambda: fn(inp), tensors, seed=1)
+    assert_bitwise(expected, grads_of(lambda: selective_checkpoint(fn, inp, policy=policy), tensors, seed=1))
