@@ -388,13 +388,20 @@ def _template(output: Any) -> Any:
     ``None`` where empty stand-ins would not do (non-tensor values, subclasses, odd layouts)."""
     if isinstance(output, torch.Tensor):
         if (type(output) is not torch.Tensor or output.layout is not torch.strided or output.storage_offset()
-                or output.is_conj() or output.is_neg()):
-            return None
+                or output.is_conj() or output.is_neg() or _extent_bytes(output) != output.untyped_storage().nbytes()):
+            return None   # the last: a view into a larger buffer, which a stand-in would not cover
         return _Placeholder(output.shape, output.stride(), output.dtype)
     if isinstance(output, (list, tuple)):
         items = [_template(item) for item in output]
         return None if any(item is None for item in items) else type(output)(items)
     return None
+
+
+def _extent_bytes(tensor: torch.Tensor) -> int:
+    """Bytes from the first to the last element of ``tensor`` (what ``empty_strided`` allocates)."""
+    if tensor.numel() == 0:
+        return 0
+    return (1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))) * tensor.element_size()
 
 
 def _from_template(template: Any) -> Any:
