@@ -38,11 +38,15 @@ test-lib: setup
 test-notebooks: setup
 	$(BIN)/python -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env notebooks
 
+# The settings of the committed CPU results (benchmarks/README.md): one thread, this process's
+# CPU time, 30 rounds. Override for your machine, e.g. `make bench BENCH_ARGS=`.
+BENCH_ARGS ?= --threads 1 --clock cpu --rounds 30
+
 figures: setup
-	$(BIN)/python -m ckptlib.bench --figures figures
+	$(BIN)/python -m ckptlib.bench $(BENCH_ARGS) --figures figures
 
 bench: setup
-	$(BIN)/python -m ckptlib.bench --json benchmarks/results/cpu.json
+	$(BIN)/python -m ckptlib.bench $(BENCH_ARGS) --json benchmarks/results/cpu.json --markdown benchmarks/README.md --figures figures
 
 # Offline reveal.js decks and the static course site (see tools/classroom.py); the first run
 # installs the pinned browser assets with `npm ci --prefix tools` (needs Node.js and npm).
