@@ -188,6 +188,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _input_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op call reads, positional then keyword."""
+    return _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
+
+
 def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)
@@ -469,7 +474,7 @@ class _OpGraph:
                seconds: float = 0.0, reached: bool = True) -> None:
         """Note one (non-view) op call. Runs for every op of the forward pass: kept lean."""
         current = self.current
-        input_tensors = _tensors((args, tuple(kwargs.values()))) if kwargs else _tensors(args)
+        input_tensors = _input_tensors(args, kwargs)
         input_pointers = [_storage_key(t) for t in input_tensors]
         inputs = frozenset([current[p] for p in input_pointers if p in current])
         in_place = kind is _MUTATING or kind is _RANDOM_IN_PLACE
@@ -487,7 +492,6 @@ class _OpGraph:
             template = _template(output)
             must_run = template is None
             outputs = (self._new_value(pointer),) if pointer is not None else ()
-            skip = None if must_run else _Skip(template, tuple([t.shape for t in input_tensors]))
         else:
             output_pointers = [_storage_key(t) for t in _tensors(output)]
             if output_pointers and all(p in input_pointers for p in output_pointers):
@@ -497,6 +501,7 @@ class _OpGraph:
             template = _template(output) if output_pointers else None
             must_run = template is None or any(p in input_pointers for p in output_pointers)
             outputs = tuple([self._new_value(p) for p in output_pointers if p is not None])
+        if not in_place:
             skip = None if must_run else _Skip(template, tuple([t.shape for t in input_tensors]))
         self.calls.append(_OpCall((func, position), inputs, outputs, must_run,
                                   kind is _RANDOM or kind is _RANDOM_IN_PLACE, in_place, skip, seconds, reached))
@@ -632,9 +637,9 @@ class ReplaySavedOps(TorchDispatchMode):
         if self.skippable is not None:
             skip = self.skippable.get((func, position))
             if skip is not None:
-                inputs = (args, tuple(kwargs.values())) if kwargs else args
-                if _shapes(inputs) != skip.input_shapes:
-                    _raise_shape_mismatch(func, position, inputs, skip.input_shapes)
+                shapes = tuple([t.shape for t in _input_tensors(args, kwargs)])
+                if shapes != skip.input_shapes:
+                    _raise_shape_mismatch(func, position, (args, tuple(kwargs.values())), skip.input_shapes)
                 return _from_template(skip.template)
         if func not in cache.saved:     # no call of this op was saved (or the cache is released)
             return func(*args, **kwargs)
@@ -885,6 +890,7 @@ class _OpTimer(TorchDispatchMode):
         self.positions: Counter[OpOverload] = Counter()
         self.graph = _OpGraph()
         self.packs_before: list[int] = []   # per recorded graph call
+        self.returned: set[int] = set()     # storages of the function's output (set by finish)
 
     def count_saved(self, tensor: torch.Tensor) -> torch.Tensor:
         """Pack hook: autograd saves ``tensor`` (kept as is; counted once per storage)."""
@@ -931,12 +937,9 @@ class _OpTimer(TorchDispatchMode):
         for call, key, elapsed_s, nbytes, packs_before in self.records:
             calls[call] += 1
             keys[call] = keys.get(call, ()) + (key,)
-            output_bytes[call] += 0 if self._is_returned(key) else nbytes
+            output_bytes[call] += 0 if key in self._returned_keys else nbytes
             time_s[call] += elapsed_s if packs_before < self.packs else 0.0
         return {call: OpCost(calls[call], time_s[call], output_bytes[call]) for call in calls}, keys
-
-    def _is_returned(self, key: tuple[OpOverload, int]) -> bool:
-        return key in self._returned_keys
 
     @functools.cached_property
     def _returned_keys(self) -> set[tuple[OpOverload, int]]:
