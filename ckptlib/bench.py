@@ -19,7 +19,9 @@ seed, same batch) and differ only in how activations are kept:
                ``create_selective_checkpoint_contexts`` with the same ops),
                ckptlib's Megatron-style policy (recompute only the attention core),
                and a policy chosen from one block's measured op costs
-               (``policy_from_costs``, up to half of the block's activations).
+               (``policy_from_costs``, up to half of the block's activations),
+               run as is and with its plans reused (``SelectivePlans``: after the
+               first call, forward runs with no dispatch mode).
 ``offload``    saved tensors moved to CPU: ``ckptlib.offload`` and
                ``torch.autograd.graph.save_on_cpu``.
 
@@ -111,7 +113,9 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 from ckptlib.memory import MemoryMeter, TimelineEntry, format_bytes
 from ckptlib.models import MLPChain, TinyTransformer
 from ckptlib.offload import offload_saved_tensors
-from ckptlib.policies import megatron_attention, policy_from_costs, save_matmuls, selective_checkpoint
+from ckptlib.policies import (
+    SelectivePlans, megatron_attention, policy_from_costs, save_matmuls, selective_checkpoint,
+)
 from ckptlib.schedules import Plan, recursive, sqrt_n
 
 __all__ = [
@@ -445,16 +449,22 @@ def _ckptlib_selective(policy: Any, block: nn.Module, x: torch.Tensor) -> torch.
     return selective_checkpoint(block, x, policy=policy)
 
 
+def _ckptlib_selective_reusing_plans(policy: Any, plans: SelectivePlans, block: nn.Module,
+                                     x: torch.Tensor) -> torch.Tensor:
+    return selective_checkpoint(block, x, policy=policy, plans=plans)
+
+
 def _torch_selective(ops: list, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     context_fn = partial(create_selective_checkpoint_contexts, ops)
     return torch_checkpoint(block, x, use_reentrant=False, context_fn=context_fn)
 
 
 def _cost_policy(size: TransformerSize, device: torch.device) -> Any:
-    """A policy chosen from one block's measured op costs: cache at most half of its activations."""
+    """A policy chosen from one block's measured op costs: cache at most half of its activations.
+    (Medians of 9 timed runs: with the default 3, a noisy machine sometimes picks another set.)"""
     model = size.build(device)
     x = torch.randn(size.batch, size.seq, size.d_model, device=device, requires_grad=True)
-    return policy_from_costs(model.blocks[0], x, memory_ratio=0.5)
+    return policy_from_costs(model.blocks[0], x, memory_ratio=0.5, repeats=9)
 
 
 def _torch_save_on_cpu(device: torch.device) -> ContextManager:
@@ -478,6 +488,7 @@ def _groups(config: Config, device: torch.device) -> list[Group]:
     size = config.selective
     plain = size.build(device)
     batch = plain.example_batch(batch=size.batch)
+    cost_policy = _cost_policy(size, device)
     selective = Group("selective", "Selective checkpointing", size.describe(), [
         Variant("plain", "plain autograd", plain, batch),
         Variant("torch", "torch.utils.checkpoint per block", size.build(device, checkpointing="torch"), batch),
@@ -489,11 +500,15 @@ def _groups(config: Config, device: torch.device) -> list[Group]:
         Variant("ckptlib_megatron", "ckptlib selective, Megatron attention",
                 _with_runner(size.build(device), partial(_ckptlib_selective, megatron_attention)), batch),
         Variant("ckptlib_cost_policy", "ckptlib selective, policy from measured op costs",
-                _with_runner(size.build(device), partial(_ckptlib_selective, _cost_policy(size, device))), batch),
+                _with_runner(size.build(device), partial(_ckptlib_selective, cost_policy)), batch),
+        Variant("ckptlib_cost_policy_plans", "ckptlib selective, that policy, plans reused (SelectivePlans)",
+                _with_runner(size.build(device), partial(_ckptlib_selective_reusing_plans, cost_policy,
+                                                         SelectivePlans())), batch),
     ], pairs={"ckptlib_vs_torch": ("ckptlib", "torch"),
               "ckptlib_vs_torch_save_matmuls": ("ckptlib_save_matmuls", "torch_save_matmuls")},
         tradeoffs={"torch_save_matmuls": "torch", "ckptlib_save_matmuls": "ckptlib",
-                   "ckptlib_megatron": "ckptlib", "ckptlib_cost_policy": "ckptlib"})
+                   "ckptlib_megatron": "ckptlib", "ckptlib_cost_policy": "ckptlib",
+                   "ckptlib_cost_policy_plans": "ckptlib"})
 
     size = config.blocks
     plain = size.build(device)
@@ -809,7 +824,8 @@ def _seed_claims(results: dict[str, Any]) -> dict[str, Any]:
     measured = []
     for group, name in (("blocks", "ckptlib"), ("blocks", "torch"), ("blocks", "sqrt"),
                         ("selective", "ckptlib"), ("selective", "ckptlib_save_matmuls"),
-                        ("selective", "ckptlib_megatron"), ("selective", "ckptlib_cost_policy")):
+                        ("selective", "ckptlib_megatron"), ("selective", "ckptlib_cost_policy"),
+                        ("selective", "ckptlib_cost_policy_plans")):
         variant = results[group]["variants"][name]
         measured.append({"variant": f"{group}/{name}", "label": variant["label"],
                          "memory_saving": 1 - variant["memory_vs_plain"],
@@ -834,7 +850,8 @@ def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
         _target("live-tensor meter: metered/unmetered step time", "issue 3",
                 summary["meter_overhead"]["peak"], "<=", 1.5),
     ]
-    for name in ("ckptlib_save_matmuls", "ckptlib_megatron", "ckptlib_cost_policy", "torch_save_matmuls"):
+    for name in ("ckptlib_save_matmuls", "ckptlib_megatron", "ckptlib_cost_policy", "ckptlib_cost_policy_plans",
+                 "torch_save_matmuls"):
         tradeoff = groups["selective"]["tradeoffs"][name]
         targets += [
             _target(f"{name}: share of full checkpointing's saving kept", "issue 7", tradeoff["saving_kept"], ">=", 0.5),

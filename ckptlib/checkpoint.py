@@ -51,7 +51,11 @@ Contexts. ``context_fn`` gives a forward and a recomputation context, as in
 context has a method ``observe_saved_tensors()``, the frame calls it once and
 passes every tensor it packs to the callback it returns (if not ``None``). Selective
 checkpointing (``ckptlib.policies``) uses that to know which tensors the
-recomputation must produce, and skips the ops nothing needs.
+recomputation must produce, and skips the ops nothing needs. And the recompute
+context may raise ``RecomputeAgain`` to have the function run once more from
+the start (selective checkpointing does, with skipping off, when a skipped
+result turns out to be needed); a recomputed saved tensor on the *meta* device
+asks the context's ``recompute_again()`` whether to do the same.
 
 This file is the library's version of what notebook 03 builds step by step.
 """
@@ -72,7 +76,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ckptlib import rng
 
 __all__ = [
-    "checkpoint", "CheckpointError", "CheckpointTrace", "TraceEvent", "TensorMeta", "PackedInfo",
+    "checkpoint", "CheckpointError", "RecomputeAgain", "CheckpointTrace", "TraceEvent", "TensorMeta", "PackedInfo",
     "record_trace", "peek_saved", "is_recomputing",
 ]
 
@@ -296,6 +300,14 @@ class _StopRecomputation(Exception):
     """Raised from the recomputation hook once every needed tensor is back."""
 
 
+class RecomputeAgain(Exception):
+    """Raised by a recompute context (``context_fn``) to have the checkpoint run the function
+    again from the start, once. Selective checkpointing raises it when a result its rerun
+    skipped turns out to be needed after all, having switched skipping off for the next run.
+    The checkpoint also asks for it when a recomputed saved tensor is on the *meta* device
+    (a skipped result) and the recompute context has ``recompute_again() -> bool``."""
+
+
 _make_saved_tensor = getattr(torch._C._autograd, "_make_saved_tensor", None)  # None on older torch
 
 
@@ -465,11 +477,32 @@ class _Frame:
             frame_ref = weakref.ref(self)
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: _forget_if_alive(frame_ref, graph_task))
+        for attempt in (1, 2):
+            try:
+                self._recompute_once(graph_task, last_needed)
+                return
+            except RecomputeAgain:
+                if attempt == 2:
+                    self._forget(graph_task)
+                    raise CheckpointError(
+                        f"checkpoint {self.region}: the recompute context asked for a second "
+                        "recomputation, then for a third; giving up.") from None
+                self.emit("recompute", trigger, detail="the recompute context asked to run again")
+
+    def _recompute_once(self, graph_task: int, last_needed: int) -> None:
         counter = itertools.count()
 
         def pack_recomputed(tensor: torch.Tensor) -> torch.Tensor:
             index = next(counter)
-            detached = tensor.detach() if tensor.requires_grad else tensor
+            if not tensor.requires_grad:
+                detached = tensor
+            elif type(tensor) is torch.Tensor and not torch.compiler.is_compiling():
+                # A plain tensor's detach needs no Python dispatch: under a recompute context's
+                # dispatch mode (selective checkpointing) it would cost ~15 us per saved tensor.
+                with _NO_PYTHON_DISPATCH():
+                    detached = tensor.detach()
+            else:
+                detached = tensor.detach()
             if index >= len(self.keys):
                 raise CheckpointError(
                     f"checkpoint {self.region}: the recomputation saved more tensors than the "
@@ -477,6 +510,10 @@ class _Frame:
                     f"{TensorMeta.of(tensor)}). {_MISMATCH_CAUSES}"
                 )
             if _key(tensor) != self.keys[index]:
+                again = getattr(self.recompute_context, "recompute_again", None)
+                if tensor.device.type == "meta" and self.keys[index][2].type != "meta" and again is not None \
+                        and again():
+                    raise RecomputeAgain   # a result the context skipped was needed after all
                 raise CheckpointError(
                     f"checkpoint {self.region}: saved tensor #{index} differs between forward and "
                     f"recomputation: forward saved {self.meta(index)}, recomputation produced "
@@ -497,6 +534,8 @@ class _Frame:
                 self._rerun()
         except _StopRecomputation:
             pass
+        except RecomputeAgain:
+            raise          # the holders filled so far are filled again by the next run
         except BaseException:
             self._forget(graph_task)
             raise
@@ -551,6 +590,9 @@ class _Frame:
         self.recomputed_in.discard(graph_task)
         if released and graph_task >= 0:
             self.emit("release", detail=f"{released} recomputed tensors not needed by this backward")
+
+
+_NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 
 
 def _identity(x):

@@ -123,6 +123,7 @@ import itertools
 import math
 import statistics
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, NamedTuple, Union
@@ -130,11 +131,12 @@ from typing import Any, Callable, Collection, Mapping, NamedTuple, Union
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
-from ckptlib.checkpoint import CheckpointError, checkpoint
+from ckptlib.checkpoint import CheckpointError, RecomputeAgain, _autocast_state, checkpoint
 
 __all__ = [
-    "selective_checkpoint", "selective_contexts", "Policy", "SaveChosenOps", "ReplaySavedOps",
+    "selective_checkpoint", "selective_contexts", "SelectivePlans", "Policy", "SaveChosenOps", "ReplaySavedOps",
     "save_matmuls", "megatron_attention", "ATTENTION_CORE_OPS",
     "OpCall", "OpCost", "CostProfile", "CostPolicy", "measure_op_costs", "choose_ops", "policy_from_costs",
 ]
@@ -299,6 +301,15 @@ class _OpCache:
         self.graph: _OpGraph | None = None      # recorded in forward when saved tensors are observed
         self.skippable: dict[tuple[OpOverload, int], _Skip] | None = None   # the plan, once forward ends
         self.intact = True      # every entry the plan counted on is still here
+        # Plan reuse (SelectivePlans): a recording call logs its op sequence and hands the plan
+        # it learned to ``plan_sink``; a call that reuses a plan checks its rerun against
+        # ``sequence`` and reports a difference to ``on_mismatch``.
+        self.plan_sink: Callable[[_Plan], None] | None = None
+        self.sequence_log: list[OpOverload] | None = None
+        self.sequence: tuple[OpOverload, ...] | None = None
+        self.on_mismatch: Callable[[], None] | None = None
+        self.passthrough = False     # nothing cached, nothing counted: the rerun runs every op
+        self.input_storages: frozenset[int] = frozenset()    # the function's inputs' (for fingerprints)
 
     @property
     def saved_bytes(self) -> int:
@@ -319,7 +330,10 @@ class _OpCache:
         if self.graph is not None:
             cached = {(func, position) for func, by_position in self.saved.items() for position in by_position}
             self.skippable = self.graph.unneeded_calls(cached)
+            if self.plan_sink is not None and self.graph.packs is not None and self.sequence_log is not None:
+                self.plan_sink(_Plan.learn(self, self.graph, tuple(self.sequence_log)))
             self.graph = None
+            self.sequence_log = None
 
     def plan_for_rerun(self) -> dict[tuple[OpOverload, int], _Skip] | None:
         """The calls this recomputation may skip: none unless every cached entry the plan
@@ -423,6 +437,28 @@ def _storage_key(tensor: torch.Tensor) -> int | None:
     return pointer or None   # 0: no memory (empty or meta tensors), nothing to depend on
 
 
+def _fingerprint(tensor: torch.Tensor, input_storages: Collection[int], first_node: int) -> tuple:
+    """What a reused plan checks of each saved tensor: shape, dtype, device, and the autograd
+    node that made it: its kind (``SoftmaxBackward0``) and its place among the nodes the call
+    created (``first_node``: the sequence number of the first); for a view, its base's node (a
+    ``reshape`` is a ``ViewBackward0`` under a dispatch mode and a ``ReshapeAliasBackward0``
+    without one); ``"input"`` for (a view of) an input of the function."""
+    if _storage_key(tensor) in input_storages:
+        return (tensor.shape, tensor.dtype, tensor.device, "input")
+    is_view = tensor._is_view()
+    node = tensor._base.grad_fn if is_view else tensor.grad_fn
+    if node is None:       # a leaf (a parameter) or a view of one
+        return (tensor.shape, tensor.dtype, tensor.device, is_view, None)
+    place = node._sequence_nr() - first_node
+    return (tensor.shape, tensor.dtype, tensor.device, is_view, type(node), place if place >= 0 else "before")
+
+
+def _next_node_number() -> int:
+    """The sequence number autograd gives the next node this thread creates."""
+    probe = torch.empty(0, requires_grad=True).view(0)    # creates one node
+    return probe.grad_fn._sequence_nr() + 1
+
+
 @functools.lru_cache(maxsize=None)
 def _written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
     """(position, name) of the arguments ``func`` writes to (``self`` of ``relu_``, ``out=``)."""
@@ -457,6 +493,10 @@ class _OpGraph:
         self.current: dict[int, int] = {}     # storage address -> the value in it now
         self.saved_values: set[int] = set()   # values autograd saved (what a rerun must rebuild)
         self.next_value = 0
+        # (recording a reusable plan only) per saved tensor, in pack order: its value and fingerprint
+        self.packs: list[tuple[int | None, tuple]] | None = None
+        self.input_storages: frozenset[int] = frozenset()
+        self.first_node = 0
 
     def _new_value(self, pointer: int) -> int:
         value = self.next_value
@@ -469,6 +509,8 @@ class _OpGraph:
         value = self.current.get(pointer) if pointer is not None else None
         if value is not None:
             self.saved_values.add(value)
+        if self.packs is not None:
+            self.packs.append((value, _fingerprint(tensor, self.input_storages, self.first_node)))
 
     def record(self, func: OpOverload, position: int, kind: str, args: tuple, kwargs: dict, output: Any,
                seconds: float = 0.0, reached: bool = True) -> None:
@@ -579,6 +621,9 @@ class SaveChosenOps(TorchDispatchMode):
         if not self.skip_unneeded:
             return None
         self.cache.graph = _OpGraph()
+        if self.cache.plan_sink is not None:
+            self.cache.graph.packs, self.cache.sequence_log = [], []
+            self.cache.graph.input_storages = self.cache.input_storages
         return self.cache.graph.note_saved
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -590,6 +635,8 @@ class SaveChosenOps(TorchDispatchMode):
         cache = self.cache
         position = cache.calls[func]
         cache.calls[func] = position + 1
+        if cache.sequence_log is not None:
+            cache.sequence_log.append(func)
         if kind in _CACHEABLE_KINDS and self.should_save(func, args, kwargs):
             saved = _save(func, kind, args, kwargs, output, cache.replay_random)
             if saved is not None:
@@ -597,6 +644,12 @@ class SaveChosenOps(TorchDispatchMode):
         if cache.graph is not None:
             cache.graph.record(func, position, kind, args, kwargs, output)
         return output
+
+    def __enter__(self):
+        graph = self.cache.graph
+        if graph is not None and graph.packs is not None:
+            graph.first_node = _next_node_number()
+        return super().__enter__()
 
     def __exit__(self, *exc_info):
         self.cache.finish_forward()
@@ -609,6 +662,12 @@ class ReplaySavedOps(TorchDispatchMode):
 
     May be entered once per recomputation (``retain_graph=True`` backwards):
     each entry counts calls from zero again.
+
+    If a skipped result turns out to be needed after all (the function read a skipped
+    tensor's ``.device`` in Python to make a new one, so the op graph saw no dependency), an op
+    that runs meets a meta tensor and fails, or a random op draws nothing on one: the mode
+    switches skipping off and raises :class:`~ckptlib.checkpoint.RecomputeAgain`, and the
+    checkpoint runs the function once more. Correct, at the price of a second rerun.
     """
 
     _should_skip_dynamo = SaveChosenOps._should_skip_dynamo
@@ -619,17 +678,43 @@ class ReplaySavedOps(TorchDispatchMode):
         self.calls: Counter[OpOverload] = Counter()
         self.consume = False
         self.skippable: dict[tuple[OpOverload, int], _Skip] | None = None
+        self.sequence: tuple[OpOverload, ...] | None = None
+        self.step = 0
+        self.active = False      # this entry pushed the mode (not so in passthrough)
 
     def __enter__(self):
+        if self.cache.passthrough:
+            return self       # a reused plan did not fit this call: plain rerun, no mode at all
         self.calls.clear()
         self.consume = _backward_frees_graph()
         self.skippable = self.cache.plan_for_rerun()
+        self.sequence, self.step = self.cache.sequence, 0
+        self.active = True
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.skippable is None:
+            return self._dispatch(func, args, kwargs)
+        try:
+            output = self._dispatch(func, args, kwargs)
+        except (RecomputeAgain, CheckpointError):
+            raise
+        except Exception:
+            if any(t.is_meta for t in _input_tensors(args, kwargs)) and self.recompute_again():
+                raise RecomputeAgain from None    # it read a skipped result
+            raise
+        kind = _op_kind(func)
+        if (kind is _RANDOM or kind is _RANDOM_IN_PLACE) and any(t.is_meta for t in _tensors(output)) \
+                and self.recompute_again():
+            raise RecomputeAgain   # drew nothing: later random ops would draw other numbers
+        return output
+
+    def _dispatch(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
         if _op_kind(func) == _VIEW or _is_parameter_cast(func, args):
             return func(*args, **kwargs)
+        if self.sequence is not None:
+            self._check_sequence(func)
         position = self.calls[func]
         self.calls[func] = position + 1
         cache = self.cache
@@ -648,11 +733,310 @@ class ReplaySavedOps(TorchDispatchMode):
             return func(*args, **kwargs)
         return saved.replay(args)
 
+    def recompute_again(self) -> bool:
+        """(``ckptlib.checkpoint`` protocol) A result this rerun skipped was needed after all:
+        switch skipping off for every later rerun of this call, and say whether running the
+        function again can help (only if something was skipped)."""
+        if self.skippable is None:
+            return False
+        cache = self.cache
+        cache.intact = False           # plan_for_rerun: no skipping from now on
+        if cache.sequence is not None:
+            cache.sequence = None      # a reused plan that skips too much: forget it
+            if cache.on_mismatch is not None:
+                cache.on_mismatch()
+        return True
+
+    def _check_sequence(self, func: OpOverload) -> None:
+        """(a call reusing a plan) The rerun must run the ops of the call that recorded it.
+        If not, the entries rebuilt from the saved tensors may belong to other calls: drop
+        them all and run the function again as full checkpointing would."""
+        step, sequence = self.step, self.sequence
+        self.step = step + 1
+        if step < len(sequence) and sequence[step] is func:
+            return
+        cache = self.cache
+        cache.saved.clear()
+        cache.passthrough = True
+        cache.sequence = cache.skippable = None
+        if cache.on_mismatch is not None:
+            cache.on_mismatch()
+        raise RecomputeAgain
+
     def __exit__(self, *exc_info):
+        if not self.active:
+            return False
+        self.active = False
         if self.consume:
             self.cache.release()
         self.skippable = None
+        self.sequence = None
         return super().__exit__(*exc_info)
+
+
+# ---------------------------------------------------------------------------
+# Reusing a plan: later calls with the same signature run forward with no mode
+# ---------------------------------------------------------------------------
+
+
+class _Plan(NamedTuple):
+    """What a recording call learned, for later calls with the same signature.
+
+    Every cached output a plan keeps is rebuilt from a tensor autograd saves anyway (the
+    softmax's output is saved by the softmax, a clone by the ``bmm`` that reads it), so a
+    later call needs no dispatch mode in forward: the checkpoint reports each saved tensor,
+    and the ones the plan names become the cache. Outputs that no saved tensor holds are
+    not kept by a reused plan (the rerun recomputes them; the skips are planned for that).
+    """
+
+    packs: tuple[tuple, ...]     # fingerprint of each saved tensor, in pack order
+    rebuild: Mapping[int, tuple[tuple[tuple[OpOverload, int], int, torch.Size, tuple[int, ...], int], ...]]
+    # saved tensor index -> (entry key, output slot, size, stride, storage offset) it holds
+    entries: Mapping[tuple[OpOverload, int], tuple[type | None, int, tuple[torch.Size, ...]]]
+    # entry key -> (tuple/list type, or None for one tensor; number of tensors; input shapes)
+    skippable: Mapping[tuple[OpOverload, int], _Skip]
+    calls: Mapping[OpOverload, int]
+    sequence: tuple[OpOverload, ...]     # the counted ops, in order: what the rerun must run
+
+    @classmethod
+    def learn(cls, cache: _OpCache, graph: _OpGraph, sequence: tuple[OpOverload, ...]) -> "_Plan":
+        first_pack: dict[int, int] = {}
+        for index, (value, _) in enumerate(graph.packs):
+            if value is not None:
+                first_pack.setdefault(value, index)
+        outputs = {call.key: call.outputs for call in graph.calls}
+        rebuild: dict[int, list] = {}
+        entries = {}
+        for func, by_position in cache.saved.items():
+            for position, saved in by_position.items():
+                key, value = (func, position), saved.value
+                if saved.in_place or saved.generator is not None:
+                    continue    # random: its replay sets the generator, which needs the forward mode
+                if type(value) is torch.Tensor:
+                    container, tensors = None, [value]
+                elif isinstance(value, (tuple, list)) and value and all(type(t) is torch.Tensor for t in value):
+                    container, tensors = type(value), list(value)
+                else:
+                    continue
+                values = outputs.get(key)
+                if values is None or len(values) != len(tensors):
+                    continue
+                picks = [first_pack.get(v) for v in values]
+                if None in picks or any(graph.packs[i][1][1] != t.dtype for i, t in zip(picks, tensors)):
+                    continue
+                entries[key] = (container, len(tensors), saved.input_shapes)
+                for slot, (index, tensor) in enumerate(zip(picks, tensors)):
+                    rebuild.setdefault(index, []).append(
+                        (key, slot, tensor.shape, tensor.stride(), tensor.storage_offset()))
+        return cls(tuple(fingerprint for _, fingerprint in graph.packs),
+                   {index: tuple(items) for index, items in rebuild.items()}, entries,
+                   graph.unneeded_calls(set(entries)), dict(cache.calls), sequence)
+
+
+class _PlannedForward:
+    """Forward context of a call that reuses a plan: no dispatch mode. Each tensor autograd
+    saves (reported by ``ckptlib.checkpoint``) is checked against the plan's fingerprint, and
+    those holding cached outputs fill the cache. If the saved tensors differ from the plan's
+    in any way, the call forgets the plan and reruns every op, like full checkpointing."""
+
+    def __init__(self, plan: _Plan, cache: _OpCache, on_fallback: Callable[[], None]) -> None:
+        self.plan, self.cache, self.on_fallback = plan, cache, on_fallback
+        self.count = 0
+        self.matches = True
+        self.parts: dict[tuple[OpOverload, int], list] = {}
+        self.first_node = 0
+
+    def observe_saved_tensors(self) -> Callable[[torch.Tensor], None]:
+        return self._observe
+
+    def _observe(self, tensor: torch.Tensor) -> None:
+        index = self.count
+        self.count = index + 1
+        if not self.matches:
+            return
+        packs = self.plan.packs
+        if index >= len(packs) or _fingerprint(tensor, self.cache.input_storages, self.first_node) != packs[index]:
+            self.matches = False
+            self.parts.clear()
+            return
+        for key, slot, size, stride, offset in self.plan.rebuild.get(index, ()):
+            view = tensor.detach()     # shares the version counter: a later in-place change shows
+            if view.shape != size or view.stride() != stride or view.storage_offset() != offset:
+                view = view.as_strided(size, stride, offset)
+            slots = self.parts.get(key)
+            if slots is None:
+                slots = self.parts[key] = [None] * self.plan.entries[key][1]
+            slots[slot] = (view, view._version)
+
+    def __enter__(self) -> "_PlannedForward":
+        self.first_node = _next_node_number()
+        return self
+
+    def __exit__(self, exc_type: Any, *exc_info: Any) -> bool:
+        if exc_type is not None:
+            return False
+        cache, plan = self.cache, self.plan
+        if not self.matches or self.count != len(plan.packs):
+            self.parts.clear()
+            cache.passthrough = True
+            self.on_fallback()
+            return False
+        complete = len(self.parts) == len(plan.entries)
+        for key, slots in self.parts.items():
+            if any(slot is None or slot[0]._version != slot[1] for slot in slots):
+                complete = False        # modified in place after it was saved: not the op's output
+                continue
+            container, _, input_shapes = plan.entries[key]
+            tensors = [t for t, _ in slots]
+            value = tensors[0] if container is None else container(tensors)
+            cache.saved.setdefault(key[0], {})[key[1]] = _Saved(
+                value, tuple(version for _, version in slots), input_shapes, False)
+        self.parts.clear()
+        cache.calls = Counter(plan.calls)
+        cache.sequence = plan.sequence
+        # Skips were planned with every entry present; without one, its op reruns, from
+        # inputs the plan would have skipped: then skip nothing (replays stay correct).
+        cache.skippable = plan.skippable if complete else None
+        return False
+
+
+def _signature(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy,
+               replay_random: bool, early_stop: bool) -> tuple | None:
+    """What must be equal for a call to reuse another's plan (``None``: never reuse): the
+    policy, every input tensor's type, shape, strides, dtype, device and ``requires_grad``,
+    the other arguments, the train/eval flags of a module's submodules, autocast and the
+    deterministic-algorithms setting. The saved tensors of the call are checked as well."""
+    try:
+        policy_key = frozenset(policy) if isinstance(policy, (set, list, tuple)) else policy
+        hash(policy_key)
+        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
+            leaves, spec = tree_flatten((args, kwargs))
+            structure: Any = str(spec)
+        else:
+            leaves, structure = args, len(args)
+        parts = tuple([(type(leaf), leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)
+                       if isinstance(leaf, torch.Tensor) else (type(leaf), leaf) for leaf in leaves])
+        hash(parts)
+    except TypeError:     # an unhashable policy or argument
+        return None
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    modes = tuple([m.training for m in module.modules()]) if isinstance(module, torch.nn.Module) else ()
+    return (policy_key, structure, parts, modes, _autocast_state(), torch.are_deterministic_algorithms_enabled(),
+            replay_random, early_stop)
+
+
+_NO_PLAN = "no plan"    # SelectivePlans' mark for a signature whose saved tensors varied
+
+
+class SelectivePlans:
+    """Plans of :func:`selective_checkpoint`, learned once per function and input signature and
+    reused by later calls (``selective_checkpoint(..., plans=plans)``).
+
+    The first call with a given signature runs as usual: the forward dispatch mode caches the
+    chosen outputs and records the op graph, from which the end of forward plans the rerun's
+    skips. It also records a *plan*: the ops in order, a fingerprint of every tensor autograd
+    saves (shape, dtype, device, the kind of node that made it), and which saved tensors hold
+    the cached outputs. A later call with the same signature (see below) runs forward with no
+    dispatch mode at all, so its forward costs what full checkpointing's does: the checkpoint
+    reports each saved tensor, the call checks it against the plan's fingerprint and keeps the
+    ones that hold cached outputs. Its rerun replays and skips as the plan says, and checks that
+    it runs the plan's ops in the plan's order.
+
+    The contract: for inputs of the same signature, the function runs the same ops on the same
+    arguments every call (true of a Transformer block in training; not of a function that
+    branches on a counter or on the data). What is checked:
+
+    * the signature: the policy, each input tensor's type, shape, strides, dtype, device and
+      ``requires_grad``, the other arguments (hashable ones; otherwise no reuse), the train/eval
+      flags of a module's submodules, autocast, deterministic algorithms;
+    * in forward, each saved tensor's fingerprint. A difference (another branch taken) makes
+      the call rerun every op, like full checkpointing, and gives up on plans for that
+      signature: later calls run as without ``plans`` (``fallbacks`` counts these);
+    * in the rerun, the sequence of ops, and the input shapes of each replayed or skipped
+      call. A different op makes the checkpoint run the function again as full checkpointing
+      would (the cached outputs may belong to other calls), and gives up on plans for that
+      signature (``mismatches`` counts these, and reruns that needed a skipped result).
+
+    The fingerprint includes each saved tensor's producing node's place in the call, so a
+    cached output cannot be rebuilt from a tensor another op made. What no check sees is a
+    call whose unsaved intermediate results flow differently with the same ops and the same
+    saved tensors; the rerun then fails loudly or runs again (see :class:`ReplaySavedOps`).
+
+    Outputs that autograd does not save (the policy chose an op whose output only feeds
+    unsaved ops) are not kept by a reused call; the plan's skips are made for that. Cached
+    random ops are rerun rather than replayed (the checkpoint's RNG replay makes them draw the
+    same numbers). Plans hold no tensors, only shapes and ops, and a function that is garbage
+    collected takes its plans with it.
+
+    >>> plans = SelectivePlans()
+    >>> x = torch.randn(4, 8, requires_grad=True)
+    >>> w = torch.randn(8, 8, requires_grad=True)
+    >>> def block(inp):
+    ...     return (inp @ w).tanh() @ w
+    >>> for step in range(3):
+    ...     selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
+    >>> plans
+    SelectivePlans(1 plan: 1 recorded, 2 reused, 0 fallbacks, 0 mismatches)
+    """
+
+    def __init__(self) -> None:
+        self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.recorded = 0     # calls that recorded a plan
+        self.reused = 0       # calls that ran forward with a recorded plan (fallbacks included)
+        self.fallbacks = 0    # of those, calls whose saved tensors differed from the plan's
+        self.mismatches = 0   # reruns that ran other ops than the plan's (CheckpointError)
+
+    def __len__(self) -> int:
+        """The number of plans held (signatures given up on after a fallback not counted)."""
+        return sum(plan is not _NO_PLAN for table in self._tables.values() for plan in table.values())
+
+    def clear(self) -> None:
+        """Forget every plan (the counters stay)."""
+        self._tables.clear()
+
+    def __repr__(self) -> str:
+        count = len(self)
+        return (f"SelectivePlans({count} plan{'s' if count != 1 else ''}: {self.recorded} recorded, "
+                f"{self.reused} reused, {self.fallbacks} fallbacks, {self.mismatches} mismatches)")
+
+    def contexts(self, fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy, *,
+                 replay_random: bool = True, early_stop: bool = True) -> tuple[Any, ReplaySavedOps]:
+        """The ``(forward_context, recompute_context)`` for one call of ``fn``: a recorded
+        plan's (no forward mode) if one fits, else :func:`selective_contexts` recording one."""
+        key = _signature(fn, args, kwargs, policy, replay_random, early_stop)
+        table = None
+        if key is not None:
+            try:
+                table = self._tables.setdefault(fn, {})
+            except TypeError:      # fn cannot be weakly referenced (a builtin): no reuse
+                table = None
+        plan = table.get(key) if table is not None else None
+        if plan is _NO_PLAN:
+            return selective_contexts(policy, replay_random=replay_random)
+        inputs = frozenset([p for p in map(_storage_key, _input_tensors(args, kwargs)) if p is not None])
+        if plan is None:
+            forward, recompute = selective_contexts(policy, replay_random=replay_random)
+            if table is not None:
+                forward.cache.plan_sink = functools.partial(self._learned, table, key)
+                forward.cache.input_storages = inputs
+            return forward, recompute
+        self.reused += 1
+        cache = _OpCache(replay_random)
+        cache.input_storages = inputs
+        cache.on_mismatch = functools.partial(self._mismatched, table, key)
+        return _PlannedForward(plan, cache, functools.partial(self._fell_back, table, key)), ReplaySavedOps(cache)
+
+    def _learned(self, table: dict, key: tuple, plan: _Plan) -> None:
+        table[key] = plan
+        self.recorded += 1
+
+    def _fell_back(self, table: dict, key: tuple) -> None:
+        table[key] = _NO_PLAN     # this signature's saved tensors vary: stop trying to reuse
+        self.fallbacks += 1
+
+    def _mismatched(self, table: dict, key: tuple) -> None:
+        table[key] = _NO_PLAN
+        self.mismatches += 1
 
 
 def _is_parameter_cast(func: OpOverload, args: tuple) -> bool:
@@ -698,6 +1082,7 @@ def selective_checkpoint(
     early_stop: bool = True,
     debug: bool = False,
     skip_unneeded: bool = True,
+    plans: SelectivePlans | None = None,
     **kwargs: Any,
 ) -> Any:
     """``ckptlib.checkpoint(fn, *args, **kwargs)`` that keeps the outputs of the ops ``policy`` chooses.
@@ -715,6 +1100,11 @@ def selective_checkpoint(
             (``t.numpy()``, ``t.tolist()``) and computes on from there: such a use is
             invisible to the op graph, and the rerun would fail on a skipped tensor
             (loudly: skipped results live on the meta device).
+        plans: a :class:`SelectivePlans` to record this call's plan in, or to reuse one from:
+            a later call with the same function and input signature then runs forward with
+            no dispatch mode, at the cost of full checkpointing's forward. For functions
+            that run the same ops on every call (see :class:`SelectivePlans` for the
+            contract and what is checked). Needs ``skip_unneeded=True``.
 
     Gradients equal plain autograd bitwise; ``retain_graph=True`` works.
 
@@ -732,8 +1122,17 @@ def selective_checkpoint(
     >>> torch.equal(w.grad, expected)
     True
     """
-    forward_mode, recompute_mode = selective_contexts(policy, replay_random=preserve_rng_state,
-                                                      skip_unneeded=skip_unneeded)
+    if plans is not None and not isinstance(plans, SelectivePlans):
+        raise TypeError(f"plans must be a SelectivePlans (or None), got {type(plans).__name__}.")
+    if plans is not None and not skip_unneeded:
+        raise ValueError("plans= needs skip_unneeded=True: a plan is learned from the op graph that "
+                         "skipping records. Drop plans= for a function that needs skip_unneeded=False.")
+    if plans is not None and torch.is_grad_enabled():
+        forward_mode, recompute_mode = plans.contexts(fn, args, kwargs, policy, replay_random=preserve_rng_state,
+                                                      early_stop=early_stop)
+    else:
+        forward_mode, recompute_mode = selective_contexts(policy, replay_random=preserve_rng_state,
+                                                          skip_unneeded=skip_unneeded)
     return checkpoint(fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop,
                       debug=debug, context_fn=lambda: (forward_mode, recompute_mode), **kwargs)
 

@@ -75,7 +75,7 @@ def test_json_schema(cli_run):
     assert list(groups["blocks"]["variants"]) == ["plain", "torch", "ckptlib", "sqrt", "plain_metered",
                                                   "plain_metered_timeline"]
     assert set(groups["selective"]["tradeoffs"]) == {"torch_save_matmuls", "ckptlib_save_matmuls", "ckptlib_megatron",
-                                                      "ckptlib_cost_policy"}
+                                                      "ckptlib_cost_policy", "ckptlib_cost_policy_plans"}
     for group in groups.values():
         for name, variant in group["variants"].items():
             assert len(variant["times_s"]) == TINY.rounds

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from typing import Callable
 
 import pytest
 import torch
@@ -17,8 +18,8 @@ from ckptlib.checkpoint import CheckpointError, checkpoint, is_recomputing
 from ckptlib.memory import MemoryMeter
 from ckptlib.models import TransformerBlock
 from ckptlib.policies import (
-    CostProfile, OpCall, OpCost, choose_ops, measure_op_costs, megatron_attention, policy_from_costs,
-    save_matmuls, selective_checkpoint, selective_contexts,
+    CostProfile, OpCall, OpCost, SaveChosenOps, SelectivePlans, choose_ops, measure_op_costs, megatron_attention,
+    policy_from_costs, save_matmuls, selective_checkpoint, selective_contexts,
 )
 
 from tests.test_checkpoint import UNARY, assert_bitwise, grads_of, saved_hooks_installed
@@ -411,10 +412,12 @@ def test_skipping_keeps_gradients_bitwise(policy):
     assert_bitwise_equal(actual, expected)
 
 
-def test_no_skipping_once_the_cache_is_gone():
-    # The plan skips mm because softmax is replayed. A first backward (through the softmax) frees
-    # the cache; a second one (through b, which saved s but does not lead back to the softmax)
-    # reruns softmax, which then needs mm's real output: the plan must not be used again.
+@pytest.mark.parametrize("reuse_plans", [False, True])
+def test_no_skipping_once_the_cache_is_gone(reuse_plans):
+    # The plan skips mm because softmax is replayed. A retained backward replays twice; a
+    # backward that frees the graph (through the softmax) frees the cache; a last one (through
+    # b, which saved s but does not lead back to the softmax) reruns softmax, which then needs
+    # mm's real output: the skip plan must not be used again. Also with plans reused.
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8, requires_grad=True)
 
@@ -424,11 +427,16 @@ def test_no_skipping_once_the_cache_is_gone():
 
     def both_grads(run):
         a, b = run()
-        return torch.autograd.grad(a.sum(), (x, w)) + torch.autograd.grad(b.sum(), (x,))
+        first = torch.autograd.grad(a.sum(), (x, w), retain_graph=True)
+        again = torch.autograd.grad(a.sum(), (x, w))
+        return first + again + torch.autograd.grad(b.sum(), (x,))
 
     expected = both_grads(lambda: f(x))
-    actual = both_grads(lambda: selective_checkpoint(f, x, policy={aten._softmax}))
-    assert_bitwise_equal(list(actual), list(expected))
+    plans = SelectivePlans() if reuse_plans else None
+    for step in range(3):
+        actual = both_grads(lambda: selective_checkpoint(f, x, policy={aten._softmax}, plans=plans))
+        assert_bitwise_equal(list(actual), list(expected))
+    assert plans is None or plans.reused == 2
 
 
 def test_plan_is_made_only_when_the_checkpoint_reports_saved_tensors():
@@ -589,20 +597,347 @@ def token_loss(embedding: torch.nn.Embedding, tokens: torch.Tensor) -> torch.Ten
     return F.cross_entropy(hidden.view(-1, 32) @ embedding.weight.t(), tokens.view(-1)).unsqueeze(0)
 
 
+def other_module(model: str) -> tuple[Callable, torch.Tensor, list[torch.Tensor]]:
+    """``(fn, input, tensors to differentiate)``: an encoder layer, fused attention or an embedding loss."""
+    torch.manual_seed(0)
+    if model == "embedding_loss":
+        embedding = torch.nn.Embedding(50, 32)
+        return functools.partial(token_loss, embedding), torch.randint(50, (2, 8)), [embedding.weight]
+    module = (torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+              if model == "encoder_layer" else FusedAttention())
+    inp = torch.randn(2, 8, 32, requires_grad=True)
+    return module, inp, [inp, *module.parameters()]
+
+
 @pytest.mark.parametrize("policy", [
     set(), save_matmuls, megatron_attention, {aten._softmax, aten.clone, aten.add}, {aten.native_layer_norm},
     {aten._scaled_dot_product_flash_attention_for_cpu}, lambda op, *args, **kwargs: True,
 ], ids=["nothing", "save_matmuls", "megatron", "softmax_clone_add", "layer_norm", "fused_attention", "everything"])
 @pytest.mark.parametrize("model", ["encoder_layer", "fused_attention", "embedding_loss"])
 def test_skipping_on_other_modules_matches_plain_bitwise(model, policy):
-    torch.manual_seed(0)
-    if model == "embedding_loss":
-        embedding = torch.nn.Embedding(50, 32)
-        fn, inp, params = functools.partial(token_loss, embedding), torch.randint(50, (2, 8)), [embedding.weight]
-    else:
-        module = (torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
-                  if model == "encoder_layer" else FusedAttention())
-        fn, inp, params = module, torch.randn(2, 8, 32, requires_grad=True), list(module.parameters())
-    tensors = ([inp] if inp.requires_grad else []) + params
+    fn, inp, tensors = other_module(model)
     expected = grads_of(lambda: fn(inp), tensors, seed=1)
     assert_bitwise(expected, grads_of(lambda: selective_checkpoint(fn, inp, policy=policy), tensors, seed=1))
+
+
+# ---------------------------------------------------------------------------
+# SelectivePlans: a plan recorded once, reused by later calls with no forward mode
+# ---------------------------------------------------------------------------
+
+SOFTMAX_CLONE_ADD = {aten._softmax, aten.clone, aten.add}
+
+
+class ForwardModeCalls:
+    """Counts the ops SaveChosenOps sees (zero when a call reuses a plan)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.count = 0
+        original = SaveChosenOps.__torch_dispatch__
+
+        def counting(mode, func, types, args=(), kwargs=None):
+            self.count += 1
+            return original(mode, func, types, args, kwargs)
+
+        monkeypatch.setattr(SaveChosenOps, "__torch_dispatch__", counting)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("policy", [save_matmuls, megatron_attention, SOFTMAX_CLONE_ADD, {aten._softmax}, set(),
+                                    lambda op, *args, **kwargs: True],
+                         ids=["save_matmuls", "megatron", "softmax_clone_add", "softmax", "nothing", "everything"])
+def test_reused_plans_give_gradients_bitwise_equal_to_plain(policy, dropout):
+    block = make_block(dropout)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    expected = grads(plain, block, x)
+    plans = SelectivePlans()
+    for step in range(3):      # the chain calls the block twice: 1 recording, then 5 reuses
+        actual = grads(lambda b, inp: selective_checkpoint(b, inp, policy=policy, plans=plans), block, x)
+        assert_bitwise_equal(actual, expected)
+    assert (plans.recorded, plans.reused, plans.fallbacks, plans.mismatches) == (1, 5, 0, 0)
+    assert len(plans) == 1
+
+
+def test_reused_call_runs_no_forward_mode_and_reruns_like_the_recording(monkeypatch):
+    block = make_block(0.0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    plans = SelectivePlans()
+    seen = ForwardModeCalls(monkeypatch)
+    ran, kept = [], []
+    for step in range(2):
+        before = seen.count
+        y = selective_checkpoint(block, x, policy=SOFTMAX_CLONE_ADD, plans=plans)
+        kept.append(y.grad_fn is not None and seen.count - before)
+        with OpCounter() as counter:
+            y.sum().backward()
+        ran.append(counter.recompute)
+    assert kept[0] > 0 and kept[1] == 0           # the reused call's forward saw no dispatch mode
+    # The reused rerun skips and replays exactly what the recording call's did: only the layer
+    # norms, the first MLP linear and the GELU run again (the softmax, q/k/v and the residual
+    # sum are saved by autograd, so they come back from the saved tensors).
+    assert ran[0] == ran[1]
+    assert ran[1]["_softmax"] == ran[1]["bmm"] == ran[1]["masked_fill"] == 0
+    assert ran[1]["native_layer_norm"] == 2 and ran[1]["addmm"] == 1 and ran[1]["gelu"] == 1
+
+
+def test_reused_call_keeps_what_the_recording_call_kept():
+    block = make_block(0.0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    plans = SelectivePlans()
+    peaks = []
+    for step in range(3):
+        with MemoryMeter() as meter:
+            y = selective_checkpoint(block, x, policy=SOFTMAX_CLONE_ADD, plans=plans)
+            kept = meter.live_bytes
+            y.sum().backward()
+        peaks.append((kept, meter.peak_bytes))
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+    assert peaks[0] == peaks[1] == peaks[2]
+    assert plans.reused == 2
+
+
+def test_changed_saved_tensors_fall_back_to_full_recompute_and_stop_reusing():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    flags = {"sin": False}
+
+    def f(t):
+        h = (t @ w).tanh()
+        if flags["sin"]:
+            h = h.sin()      # saves its input: the saved tensors differ from the plan's
+        return h @ w
+
+    plans = SelectivePlans()
+    # (recorded, reused, fallbacks): after the fallback, the signature runs without plans
+    for sin, expected_counts in [(False, (1, 0, 0)), (False, (1, 1, 0)), (True, (1, 2, 1)), (True, (1, 2, 1)),
+                                 (False, (1, 2, 1))]:
+        flags["sin"] = sin
+        expected = grads_of(lambda: f(x), [x, w], seed=0)
+        actual = grads_of(lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans), [x, w], seed=0)
+        assert_bitwise(expected, actual)
+        assert (plans.recorded, plans.reused, plans.fallbacks) == expected_counts
+    assert len(plans) == 0
+
+
+def test_changed_ops_with_the_same_saved_tensors_rerun_as_full_checkpointing():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    flags = {"twice": False}
+
+    def f(t):
+        scale = torch.full((4, 8), 2.0)
+        if flags["twice"]:
+            scale = scale.neg().neg()   # no grad: no autograd node, nothing saved
+        return ((t @ w) * scale) @ w
+
+    plans = SelectivePlans()
+    selective_checkpoint(f, x, policy=save_matmuls, plans=plans).sum().backward()
+    flags["twice"] = True
+    counters = []
+    for step in range(2):
+        x.grad = w.grad = None
+        expected = grads_of(lambda: f(x), [x, w], seed=0)
+        with OpCounter() as counter:
+            actual = grads_of(lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans), [x, w], seed=0)
+        assert_bitwise(expected, actual)
+        assert not saved_hooks_installed()
+        counters.append(counter.recompute)
+    # The saved tensors matched the plan; the rerun met an op the plan does not have, dropped
+    # the cached outputs and ran the function again as full checkpointing does.
+    assert (plans.recorded, plans.reused, plans.fallbacks, plans.mismatches, len(plans)) == (1, 1, 0, 1, 0)
+    assert counters[0]["full"] == 2 and counters[0]["neg"] == 2 and counters[0]["mm"] == 1
+    assert counters[1]["full"] == 1 and counters[1]["mm"] == 0     # then: no plans, plain selective
+
+
+def test_changed_node_order_falls_back_in_forward():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    flags = {"twice": False}
+
+    def f(t):
+        h = torch.neg(t @ w)
+        if flags["twice"]:
+            h = torch.neg(h)    # saves nothing, but it is an autograd node: later ones move
+        return h @ w
+
+    plans = SelectivePlans()
+    selective_checkpoint(f, x, policy=save_matmuls, plans=plans).sum().backward()
+    flags["twice"] = True
+    x.grad = w.grad = None
+    expected = grads_of(lambda: f(x), [x, w], seed=0)
+    assert_bitwise(expected, grads_of(lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans),
+                                      [x, w], seed=0))
+    assert (plans.fallbacks, plans.mismatches) == (1, 0)
+
+
+def test_cached_output_is_never_rebuilt_from_another_ops_tensor():
+    # Same ops, same saved shapes and node kinds; only which matmul's output each consumer reads
+    # changes with the flag. The node places in the fingerprint tell the two apart.
+    x = torch.randn(4, 8, requires_grad=True)
+    w1, w2, w3 = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
+    flags = {"swap": False}
+
+    def f(t):
+        a, b = t @ w1, t @ w2
+        if flags["swap"]:
+            a, b = b, a
+        return (a @ w3) * b.sin()
+
+    plans = SelectivePlans()
+    for swap in (False, True, True):
+        flags["swap"] = swap
+        expected = grads_of(lambda: f(x), [x, w1, w2, w3], seed=0)
+        assert_bitwise(expected, grads_of(lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans),
+                                          [x, w1, w2, w3], seed=0))
+    assert plans.fallbacks == 1
+
+
+def test_rerun_that_needs_a_skipped_result_runs_again_without_skipping():
+    # The function makes a tensor on q's device in Python: the op graph sees no dependency of
+    # `ones` on q, so the rerun skips q's matmul and `ones` lands on the meta device.
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def f(t):
+        q = t @ w
+        k = q.exp()                     # kept: q is not needed for k...
+        mask = torch.ones(4, 8, device=q.device).tril()   # ...except for its device
+        return (k * mask).sin()
+
+    expected = grads_of(lambda: f(x), [x, w], seed=0)
+    with OpCounter() as counter:
+        actual = grads_of(lambda: selective_checkpoint(f, x, policy={aten.exp}), [x, w], seed=0)
+    assert_bitwise(expected, actual)
+    assert counter.recompute["tril"] == 2 and counter.recompute["mm"] == 1   # two runs, the second in full
+    plans = SelectivePlans()
+    for step in range(3):
+        assert_bitwise(expected, grads_of(lambda: selective_checkpoint(f, x, policy={aten.exp}, plans=plans),
+                                          [x, w], seed=0))
+    assert (plans.recorded, plans.reused, plans.mismatches) == (1, 1, 1)
+
+
+def test_plans_are_per_signature():
+    block = make_block(0.1)
+    plans = SelectivePlans()
+    for shape in [(2, 16, 32), (2, 16, 32), (3, 16, 32), (2, 8, 32)]:
+        x = torch.randn(*shape, requires_grad=True)
+        selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
+    x = torch.randn(2, 16, 32)                  # no requires_grad: another signature
+    selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
+    block.eval()                                # dropout off: another signature
+    selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
+    selective_checkpoint(block, x, policy={aten._softmax}, plans=plans).sum().backward()   # another policy
+    assert (len(plans), plans.recorded, plans.reused, plans.fallbacks) == (6, 6, 1, 0)
+
+
+def test_plans_hold_no_tensors_and_die_with_their_function():
+    import gc
+    import weakref
+
+    block = make_block(0.0)
+    plans = SelectivePlans()
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    selective_checkpoint(block, x, policy=SOFTMAX_CLONE_ADD, plans=plans).sum().backward()
+    (plan,) = next(iter(plans._tables.values())).values()
+
+    def tensors_in(value) -> int:
+        if isinstance(value, torch.Tensor):
+            return 1
+        if isinstance(value, dict):
+            return sum(tensors_in(k) + tensors_in(v) for k, v in value.items())
+        if isinstance(value, (list, tuple)):
+            return sum(tensors_in(item) for item in value)
+        return 0
+
+    assert plan.entries and tensors_in(tuple(plan)) == 0
+    alive = weakref.ref(block)
+    del block
+    gc.collect()
+    assert alive() is None and len(plans) == 0
+
+
+def test_reused_plans_under_bf16_autocast():
+    block = make_block(0.0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+
+    def step(run):
+        with torch.autocast("cpu", dtype=torch.bfloat16):    # a new region: the weights are cast again
+            out = run(block, x)
+        out.float().sum().backward()
+        result = [x.grad.clone(), *(p.grad.clone() for p in block.parameters())]
+        x.grad = None
+        block.zero_grad(set_to_none=True)
+        return result
+
+    expected = step(plain)
+    plans = SelectivePlans()
+    for _ in range(3):
+        assert_bitwise_equal(step(lambda b, inp: selective_checkpoint(b, inp, policy=SOFTMAX_CLONE_ADD,
+                                                                      plans=plans)), expected)
+    assert (plans.recorded, plans.reused, plans.fallbacks) == (1, 2, 0)
+    # Twice in one autocast region, the second call reuses the first's weight casts: it makes
+    # fewer autograd nodes, so its saved tensors do not match the plan: it falls back, correctly.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = grads(plain, block, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        twice = SelectivePlans()
+        actual = grads(lambda b, inp: selective_checkpoint(b, inp, policy=SOFTMAX_CLONE_ADD, plans=twice), block, x)
+    assert_bitwise_equal(actual, expected)
+    assert twice.fallbacks == 1
+    selective_checkpoint(block, x, policy=SOFTMAX_CLONE_ADD, plans=plans).sum().backward()  # no autocast
+    assert plans.recorded == 2
+
+
+@pytest.mark.parametrize("model", ["encoder_layer", "fused_attention", "embedding_loss"])
+def test_reused_plans_on_other_modules_match_plain_bitwise(model):
+    fn, inp, tensors = other_module(model)
+    expected = grads_of(lambda: fn(inp), tensors, seed=1)
+    plans = SelectivePlans()
+    for policy in (save_matmuls, megatron_attention, SOFTMAX_CLONE_ADD, lambda op, *args, **kwargs: True):
+        for step in range(2):
+            assert_bitwise(expected, grads_of(lambda: selective_checkpoint(fn, inp, policy=policy, plans=plans),
+                                              tensors, seed=1))
+    # The math attention makes its causal mask with ones(device=q.device): with softmax, clone
+    # and add kept, a reused plan skips q, the mask lands on the meta device and that rerun runs
+    # again without skipping (one mismatch); the gradients are right every time.
+    assert (plans.reused, plans.fallbacks, plans.mismatches) == (4, 0, int(model == "fused_attention"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    ops=st.lists(st.sampled_from(sorted(UNARY)), min_size=1, max_size=6),
+    shape=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    policy=st.sets(st.sampled_from(POLICY_OPS)),
+)
+def test_random_chains_with_reused_plans_match_plain_bitwise(ops, shape, policy):
+    x = torch.randn(*shape, requires_grad=True)
+
+    def chain(t):
+        for name in ops:
+            t = UNARY[name](t)
+        return t
+
+    expected = grads_of(lambda: chain(x).exp(), [x], seed=1)
+    plans = SelectivePlans()
+    for step in range(3):
+        actual = grads_of(lambda: selective_checkpoint(chain, x, policy=policy, plans=plans).exp(), [x], seed=1)
+        assert_bitwise(expected, actual)
+    assert plans.mismatches == 0 and not saved_hooks_installed()
+
+
+def test_bad_plans_arguments():
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(TypeError, match="plans must be a SelectivePlans"):
+        selective_checkpoint(torch.sin, x, policy=set(), plans={})
+    with pytest.raises(ValueError, match="needs skip_unneeded=True"):
+        selective_checkpoint(torch.sin, x, policy=set(), plans=SelectivePlans(), skip_unneeded=False)
+    plans = SelectivePlans()
+    for step in range(2):      # a method descriptor cannot be weakly referenced: never reused, no error
+        selective_checkpoint(torch.Tensor.sin, x, policy=set(), plans=plans).sum().backward()
+    assert len(plans) == 0 and plans.reused == 0
+    def g(t, extra):
+        return t.sin()
+
+    for step in range(2):      # an unhashable argument (a set): no signature, never reused
+        selective_checkpoint(g, x, {1.0}, policy=set(), plans=plans).sum().backward()
+    assert len(plans) == 0 and plans.reused == 0
