@@ -39,8 +39,8 @@ test-notebooks: setup
 	$(BIN)/python -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env notebooks
 
 # The settings of the committed CPU results (benchmarks/README.md): one thread, this process's
-# CPU time, 30 rounds. Override for your machine, e.g. `make bench BENCH_ARGS=`.
-BENCH_ARGS ?= --threads 1 --clock cpu --rounds 30
+# CPU time, 100 rounds. Override for your machine, e.g. `make bench BENCH_ARGS=`.
+BENCH_ARGS ?= --threads 1 --clock cpu --rounds 100
 
 figures: setup
 	$(BIN)/python -m ckptlib.bench $(BENCH_ARGS) --figures figures

@@ -47,6 +47,25 @@ runs every op it does not replay, as before. With ``torch.utils.checkpoint``
 (``selective_contexts`` as its ``context_fn``) nobody reports the saved tensors,
 so nothing is skipped.
 
+Reusing plans. The forward mode runs Python for every op of every forward pass,
+about 25 us per op on a CPU: on a Transformer block, as much as the rest of a
+selective policy's overhead. A training loop calls each block with inputs of the
+same shapes every step, so ``SelectivePlans`` records, in the first call of a
+function per input signature, a plan: the counted ops in order, a fingerprint of
+every tensor autograd saves (shape, dtype, device, and the autograd node that
+made it with that node's place among the call's nodes), which saved tensors hold
+the cached outputs (a cached output a sensible policy keeps is one autograd
+saves anyway), and the skips planned for exactly those. A later call runs
+forward with *no* dispatch mode (:class:`_PlannedForward`): ``ckptlib.checkpoint``
+reports each saved tensor, the call compares its fingerprint and keeps the ones
+the plan names, as views of the same memory. Its rerun is an ordinary
+:class:`ReplaySavedOps` that also checks each op against the plan's sequence.
+Every check errs towards more work, never a wrong value: a fingerprint that
+differs makes the call rerun every op (plain, as full checkpointing) and stops
+plans for that signature; an op the plan does not have, or a skipped result that
+an op needs after all, makes the checkpoint run the function again from the
+start (``RecomputeAgain``) without the cache or without skipping.
+
 Autocast. Under autocast, the first use of a parameter in an autocast region
 casts it (``aten._to_copy``) and later uses reuse the cast, so forward and
 rerun need not issue the same casts: the forward may have cast a weight for an
@@ -131,6 +150,7 @@ from typing import Any, Callable, Collection, Mapping, NamedTuple, Union
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from ckptlib.checkpoint import CheckpointError, RecomputeAgain, _autocast_state, checkpoint
@@ -324,13 +344,15 @@ class _OpCache:
             for position in [p for p, saved in by_position.items() if saved.is_stale()]:
                 del by_position[position]
 
-    def finish_forward(self) -> None:
-        """Forward is over: forget entries modified since, and plan which calls to skip."""
+    def finish_forward(self, completed: bool = True) -> None:
+        """Forward is over: forget entries modified since, and plan which calls to skip (and,
+        if it ``completed`` and a plan is wanted, hand the reusable plan to ``plan_sink``)."""
         self.drop_stale()
         if self.graph is not None:
             cached = {(func, position) for func, by_position in self.saved.items() for position in by_position}
             self.skippable = self.graph.unneeded_calls(cached)
-            if self.plan_sink is not None and self.graph.packs is not None and self.sequence_log is not None:
+            if completed and self.plan_sink is not None and self.graph.packs is not None \
+                    and self.sequence_log is not None:
                 self.plan_sink(_Plan.learn(self, self.graph, tuple(self.sequence_log)))
             self.graph = None
             self.sequence_log = None
@@ -651,9 +673,9 @@ class SaveChosenOps(TorchDispatchMode):
             graph.first_node = _next_node_number()
         return super().__enter__()
 
-    def __exit__(self, *exc_info):
-        self.cache.finish_forward()
-        return super().__exit__(*exc_info)
+    def __exit__(self, exc_type, *exc_info):
+        self.cache.finish_forward(completed=exc_type is None)
+        return super().__exit__(exc_type, *exc_info)
 
 
 class ReplaySavedOps(TorchDispatchMode):
@@ -920,9 +942,18 @@ def _signature(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy
     except TypeError:     # an unhashable policy or argument
         return None
     module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    modes = tuple([m.training for m in module.modules()]) if isinstance(module, torch.nn.Module) else ()
-    return (policy_key, structure, parts, modes, _autocast_state(), torch.are_deterministic_algorithms_enabled(),
-            replay_random, early_stop)
+    training = tuple([m.training for m in module.modules()]) if isinstance(module, torch.nn.Module) else ()
+    return (policy_key, structure, parts, training, _autocast_state(), torch.are_deterministic_algorithms_enabled(),
+            _ambient_tracing(), replay_random, early_stop)
+
+
+def _ambient_tracing() -> tuple:
+    """What else changes the nodes autograd makes: the caller's dispatch modes (under one, some
+    ops decompose differently) and global module hooks (``FlopCounterMode`` tracks modules with
+    autograd functions around each call)."""
+    modes = tuple([type(mode) for mode in _dispatch_mode_stack()])
+    hooks = torch.nn.modules.module
+    return modes, len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks)
 
 
 _NO_PLAN = "no plan"    # SelectivePlans' mark for a signature whose saved tensors varied
@@ -948,7 +979,9 @@ class SelectivePlans:
 
     * the signature: the policy, each input tensor's type, shape, strides, dtype, device and
       ``requires_grad``, the other arguments (hashable ones; otherwise no reuse), the train/eval
-      flags of a module's submodules, autocast, deterministic algorithms;
+      flags of a module's submodules, autocast, deterministic algorithms, and the caller's
+      dispatch modes and global module hooks (``FlopCounterMode``, a memory meter: they change
+      which autograd nodes a call makes, so a call under one gets its own plan);
     * in forward, each saved tensor's fingerprint. A difference (another branch taken) makes
       the call rerun every op, like full checkpointing, and gives up on plans for that
       signature: later calls run as without ``plans`` (``fallbacks`` counts these);

@@ -1,6 +1,7 @@
 """Selective checkpointing (ckptlib.policies): gradients, what is replayed, and when the cache dies."""
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
 from typing import Callable
@@ -50,6 +51,11 @@ def grads(run, block: torch.nn.Module, x: torch.Tensor, seed: int = 1) -> list[t
     torch.manual_seed(seed)
     out = run(block, run(block, x))
     (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return take_grads(x, block)
+
+
+def take_grads(x: torch.Tensor, block: torch.nn.Module) -> list[torch.Tensor]:
+    """The gradients of ``x`` and the block's parameters, which are then reset."""
     result = [x.grad.clone(), *(p.grad.clone() for p in block.parameters())]
     x.grad = None
     block.zero_grad(set_to_none=True)
@@ -731,7 +737,8 @@ def test_changed_ops_with_the_same_saved_tensors_rerun_as_full_checkpointing():
         return ((t @ w) * scale) @ w
 
     plans = SelectivePlans()
-    selective_checkpoint(f, x, policy=save_matmuls, plans=plans).sum().backward()
+    with OpCounter():     # the caller's dispatch modes are part of the signature: the same here
+        selective_checkpoint(f, x, policy=save_matmuls, plans=plans).sum().backward()
     flags["twice"] = True
     counters = []
     for step in range(2):
@@ -864,10 +871,7 @@ def test_reused_plans_under_bf16_autocast():
         with torch.autocast("cpu", dtype=torch.bfloat16):    # a new region: the weights are cast again
             out = run(block, x)
         out.float().sum().backward()
-        result = [x.grad.clone(), *(p.grad.clone() for p in block.parameters())]
-        x.grad = None
-        block.zero_grad(set_to_none=True)
-        return result
+        return take_grads(x, block)
 
     expected = step(plain)
     plans = SelectivePlans()
@@ -941,3 +945,47 @@ def test_bad_plans_arguments():
     for step in range(2):      # an unhashable argument (a set): no signature, never reused
         selective_checkpoint(g, x, {1.0}, policy=set(), plans=plans).sum().backward()
     assert len(plans) == 0 and plans.reused == 0
+
+
+def test_a_forward_that_raised_records_no_plan():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    fail = {"now": True}
+
+    def f(t):
+        h = (t @ w).tanh()
+        if fail["now"]:
+            raise ValueError("boom")
+        return h @ w
+
+    plans = SelectivePlans()
+    with pytest.raises(ValueError, match="boom"):
+        selective_checkpoint(f, x, policy=save_matmuls, plans=plans)
+    assert len(plans) == 0 and plans.recorded == 0 and not saved_hooks_installed()
+    fail["now"] = False
+    expected = grads_of(lambda: f(x), [x, w], seed=0)
+    for step in range(2):
+        assert_bitwise(expected, grads_of(lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans),
+                                          [x, w], seed=0))
+    assert (plans.recorded, plans.reused, plans.fallbacks) == (1, 1, 0)
+
+
+def test_plans_are_per_ambient_dispatch_mode():
+    # Under a dispatch mode of the caller's (here FlopCounterMode, which also tracks modules with
+    # autograd functions), a call makes other autograd nodes: it gets its own plan, no fallback.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    block = make_block(0.0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+
+    def step(run):     # .backward(): FlopCounterMode's module tracking does not support autograd.grad
+        run().square().sum().backward()
+        return take_grads(x, block)
+
+    expected = step(lambda: block(x))
+    plans = SelectivePlans()
+    for counting in (False, True, False, True):
+        with FlopCounterMode(display=False) if counting else contextlib.nullcontext():
+            actual = step(lambda: selective_checkpoint(block, x, policy=SOFTMAX_CLONE_ADD, plans=plans))
+        assert_bitwise_equal(actual, expected)
+    assert (len(plans), plans.recorded, plans.reused, plans.fallbacks, plans.mismatches) == (2, 2, 2, 0, 0)
