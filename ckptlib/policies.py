@@ -153,7 +153,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from ckptlib.checkpoint import CheckpointError, RecomputeAgain, _autocast_state, checkpoint
+from ckptlib.checkpoint import CheckpointError, RecomputeAgain, _autocast_state, checkpoint, is_recomputing
 
 __all__ = [
     "selective_checkpoint", "selective_contexts", "SelectivePlans", "Policy", "SaveChosenOps", "ReplaySavedOps",
@@ -476,8 +476,10 @@ def _fingerprint(tensor: torch.Tensor, input_storages: Collection[int], first_no
 
 
 def _next_node_number() -> int:
-    """The sequence number autograd gives the next node this thread creates."""
-    probe = torch.empty(0, requires_grad=True).view(0)    # creates one node
+    """The sequence number autograd gives the next node this thread creates. (The probe is
+    hidden from dispatch modes: an enclosing selective checkpoint must not count its ops.)"""
+    with torch._C._DisableTorchDispatch():
+        probe = torch.empty(0, requires_grad=True).view(0)    # creates one node
     return probe.grad_fn._sequence_nr() + 1
 
 
@@ -996,7 +998,9 @@ class SelectivePlans:
     saved tensors; the rerun then fails loudly or runs again (see :class:`ReplaySavedOps`).
 
     Outputs that autograd does not save (the policy chose an op whose output only feeds
-    unsaved ops) are not kept by a reused call; the plan's skips are made for that. Cached
+    unsaved ops) are not kept by a reused call; the plan's skips are made for that. Inside the
+    rerun of an enclosing checkpoint (``is_recomputing()``) plans are neither recorded nor
+    reused: there the inputs may be stand-ins for results that rerun skips. Cached
     random ops are rerun rather than replayed (the checkpoint's RNG replay makes them draw the
     same numbers). Plans hold no tensors, only shapes and ops, and a function that is garbage
     collected takes its plans with it.
@@ -1036,7 +1040,9 @@ class SelectivePlans:
                  replay_random: bool = True, early_stop: bool = True) -> tuple[Any, ReplaySavedOps]:
         """The ``(forward_context, recompute_context)`` for one call of ``fn``: a recorded
         plan's (no forward mode) if one fits, else :func:`selective_contexts` recording one."""
-        key = _signature(fn, args, kwargs, policy, replay_random, early_stop)
+        # Inside the rerun of an enclosing checkpoint the inputs may be stand-ins for skipped
+        # results: neither record nor reuse plans there.
+        key = None if is_recomputing() else _signature(fn, args, kwargs, policy, replay_random, early_stop)
         table = None
         if key is not None:
             try:

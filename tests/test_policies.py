@@ -989,3 +989,33 @@ def test_plans_are_per_ambient_dispatch_mode():
             actual = step(lambda: selective_checkpoint(block, x, policy=SOFTMAX_CLONE_ADD, plans=plans))
         assert_bitwise_equal(actual, expected)
     assert (len(plans), plans.recorded, plans.reused, plans.fallbacks, plans.mismatches) == (2, 2, 2, 0, 0)
+
+
+@pytest.mark.parametrize("policy", [set(), {aten._softmax}, {aten.mm}, {aten.sin, aten.mul}])
+def test_reused_plans_with_nested_checkpoints(policy):
+    # Plans for the outer region and for a selective region inside it; the inner one runs in the
+    # outer forward (reused: no outer mode), in the outer rerun (under the replay mode: its own
+    # signature) and plainly. Also inside a full checkpoint around everything.
+    x = torch.randn(5, 6, requires_grad=True)
+    w = torch.randn(6, 6, requires_grad=True)
+    plans = SelectivePlans()
+
+    def unused(u):
+        return (u @ w).exp()
+
+    def inner(u):
+        return (u @ w).softmax(-1) @ w
+
+    def outer(t):
+        a = (t @ w).sin()
+        checkpoint(unused, a * 3)
+        h = selective_checkpoint(inner, a.cos(), policy={aten._softmax}, plans=plans)
+        return h.tanh() + a
+
+    expected = grads_of(lambda: outer(x), [x, w])
+    for step in range(3):
+        assert_bitwise(expected, grads_of(lambda: selective_checkpoint(outer, x, policy=policy, plans=plans), [x, w]))
+        assert_bitwise(expected, grads_of(
+            lambda: checkpoint(lambda t: selective_checkpoint(outer, t, policy=policy, plans=plans), x), [x, w]))
+    assert plans.reused > 0 and plans.fallbacks == plans.mismatches == 0
+    assert not saved_hooks_installed()
