@@ -1,6 +1,7 @@
 """ckptlib.checkpoint against plain autograd (bitwise) and torch.utils.checkpoint (non-reentrant)."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import sys
@@ -17,7 +18,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckptlib
 from ckptlib import CheckpointError, checkpoint, record_trace
-from ckptlib.checkpoint import is_recomputing, peek_saved
+from ckptlib.checkpoint import RecomputeAgain, is_recomputing, peek_saved
 
 
 # ---------------------------------------------------------------------------
@@ -835,3 +836,70 @@ def test_input_modified_before_checkpoint_with_a_copying_outer_hook_is_fine():
         out = checkpoint(torch.sin, h)
     out.sum().backward()
     assert torch.equal(x.grad, (x.detach() + 1.0).cos())
+
+
+# ---------------------------------------------------------------------------
+# The RecomputeAgain protocol of recompute contexts
+# ---------------------------------------------------------------------------
+
+class MetaForSin(torch.utils._python_dispatch.TorchDispatchMode):
+    """A recompute context that, while ``wrong``, hands back a meta tensor for ``sin`` (as a
+    wrong skip would), and agrees to run again, putting itself right, when asked."""
+
+    def __init__(self, answer: bool = True) -> None:
+        super().__init__()
+        self.wrong, self.answer, self.asked = True, answer, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.wrong and func is torch.ops.aten.sin.default:
+            return torch.empty_like(args[0], device="meta")
+        return func(*args, **(kwargs or {}))
+
+    def recompute_again(self) -> bool:
+        self.asked += 1
+        self.wrong = False
+        return self.answer
+
+
+def test_a_meta_saved_tensor_asks_the_context_to_run_again():
+    x = torch.randn(4, 4, requires_grad=True)
+    f = lambda t: t.sin().exp()      # exp saves its output, computed from the (meta) sin
+    expected = grads_of(lambda: f(x), [x])
+    context = MetaForSin()
+    assert_bitwise(expected, grads_of(
+        lambda: checkpoint(f, x, context_fn=lambda: (contextlib.nullcontext(), context)), [x]))
+    assert context.asked == 1 and not saved_hooks_installed()
+    refusing = MetaForSin(answer=False)     # a context that says no: the mismatch is an error
+    y = checkpoint(f, x, context_fn=lambda: (contextlib.nullcontext(), refusing))
+    with pytest.raises(CheckpointError, match="differs between forward and recomputation"):
+        y.sum().backward()
+    assert not saved_hooks_installed()
+
+
+def test_recompute_again_is_honoured_once():
+    runs = []
+
+    class Again:
+        def __enter__(self):
+            runs.append(1)
+
+        def __exit__(self, *exc_info):
+            return False
+
+    def f(t):
+        if is_recomputing() and len(runs) <= limit:
+            raise RecomputeAgain
+        return t.sin().exp()
+
+    x = torch.randn(3, requires_grad=True)
+    expected = grads_of(lambda: f(x), [x])
+    limit = 1              # the first rerun asks again, the second runs
+    assert_bitwise(expected, grads_of(lambda: checkpoint(f, x, context_fn=lambda: (contextlib.nullcontext(), Again())),
+                                      [x]))
+    assert len(runs) == 2
+    runs.clear()
+    limit = 2              # both ask: a clear error, and nothing left behind
+    y = checkpoint(f, x, context_fn=lambda: (contextlib.nullcontext(), Again()))
+    with pytest.raises(CheckpointError, match="asked for a second recomputation, then for a third"):
+        y.sum().backward()
+    assert len(runs) == 2 and not saved_hooks_installed()
