@@ -928,8 +928,9 @@ def _signature(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy
                replay_random: bool, early_stop: bool) -> tuple | None:
     """What must be equal for a call to reuse another's plan (``None``: never reuse): the
     policy, every input tensor's type, shape, strides, dtype, device and ``requires_grad``,
-    the other arguments, the train/eval flags of a module's submodules, autocast and the
-    deterministic-algorithms setting. The saved tensors of the call are checked as well."""
+    the other arguments, the train/eval flags of a module's submodules, autocast, the
+    deterministic-algorithms setting and the caller's dispatch modes and module hooks. The
+    saved tensors of the call are checked as well."""
     try:
         policy_key = frozenset(policy) if isinstance(policy, (set, list, tuple)) else policy
         hash(policy_key)
@@ -958,7 +959,7 @@ def _ambient_tracing() -> tuple:
     return modes, len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks)
 
 
-_NO_PLAN = "no plan"    # SelectivePlans' mark for a signature whose saved tensors varied
+_NO_PLAN = "no plan"    # SelectivePlans' mark for a signature given up on (a fallback or a mismatch)
 
 
 class SelectivePlans:
@@ -968,7 +969,7 @@ class SelectivePlans:
     The first call with a given signature runs as usual: the forward dispatch mode caches the
     chosen outputs and records the op graph, from which the end of forward plans the rerun's
     skips. It also records a *plan*: the ops in order, a fingerprint of every tensor autograd
-    saves (shape, dtype, device, the kind of node that made it), and which saved tensors hold
+    saves (shape, dtype, device, the node that made it and its place), and which saved tensors hold
     the cached outputs. A later call with the same signature (see below) runs forward with no
     dispatch mode at all, so its forward costs what full checkpointing's does: the checkpoint
     reports each saved tensor, the call checks it against the plan's fingerprint and keeps the
@@ -1021,10 +1022,10 @@ class SelectivePlans:
         self.recorded = 0     # calls that recorded a plan
         self.reused = 0       # calls that ran forward with a recorded plan (fallbacks included)
         self.fallbacks = 0    # of those, calls whose saved tensors differed from the plan's
-        self.mismatches = 0   # reruns that ran other ops than the plan's (CheckpointError)
+        self.mismatches = 0   # reruns that ran other ops than the plan's, or needed a skipped result
 
     def __len__(self) -> int:
-        """The number of plans held (signatures given up on after a fallback not counted)."""
+        """The number of plans held (signatures given up on are not counted)."""
         return sum(plan is not _NO_PLAN for table in self._tables.values() for plan in table.values())
 
     def clear(self) -> None:
