@@ -1,0 +1,200 @@
+"""Claims of notebooks 02 and 03 that code can check (issue 15), run on the notebooks' own cells.
+
+- 02, Exercise 2 ("save half the bytes"): the self-check measures the bytes the autograd graph
+  keeps alive after forward, with the course's ``MemoryMeter``, with and without the learner's
+  hooks. The first solution's hook (copied below: a bfloat16 copy of every float32 save,
+  parameters and repeated saves included) *adds* memory, and the self-check now rejects it; the
+  current solution keeps exactly half, and passes.
+- 03, section 6: the whole checkpoint the notebook builds, in one cell, gives gradients bitwise
+  equal to plain autograd and to ``torch.utils.checkpoint(use_reentrant=False)``, dropout
+  included, for several input shapes.
+
+Cells are taken from the notebooks by nbgrader grade id (stable across rebuilds, the same in a
+notebook and its solutions) or by cell id, and executed; nothing long is copied here.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import weakref
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from ckptlib import CheckpointError
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NB02 = NOTEBOOKS / "02_saved_tensors_hooks.ipynb"
+NB02_SOLUTIONS = NOTEBOOKS / "solutions" / "02_saved_tensors_hooks_solutions.ipynb"
+NB03 = NOTEBOOKS / "03_building_checkpoint.ipynb"
+
+
+def cell_source(path: Path, *, cell_id: str | None = None, grade_id: str | None = None) -> str:
+    """The source of the one cell of ``path`` with this cell id or nbgrader grade id."""
+    cells = [cell for cell in nbformat.read(path, as_version=4).cells
+             if (cell_id is not None and cell.get("id") == cell_id)
+             or (grade_id is not None and cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id)]
+    assert len(cells) == 1, f"{path.name}: expected one cell with id={cell_id!r} grade_id={grade_id!r}, found {len(cells)}"
+    return cells[0].source
+
+
+def run_cell(source: str, namespace: dict) -> str:
+    """Execute a cell's source in ``namespace``; return what it printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(source, "<notebook cell>", "exec"), namespace)
+    return printed.getvalue()
+
+
+# ---------------------------------------------------------------- 02, Exercise 2
+
+def first_solution_pack(tensor):
+    """The hook the first solution shipped: every float32 save converted, each save on its own."""
+    if tensor.dtype == torch.float32:
+        return tensor.dtype, tensor.to(torch.bfloat16)
+    return tensor.dtype, tensor.detach()
+
+
+def first_solution_unpack(stored):
+    dtype, tensor = stored
+    return tensor.to(dtype)
+
+
+_parameters_only_copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def parameters_only_pack(tensor):
+    """A learner's hook: skips parameters, converts each storage once, but copies the input batch."""
+    owner = tensor if tensor._base is None else tensor._base
+    if tensor.dtype != torch.float32 or (owner.is_leaf and owner.requires_grad):
+        return tensor.detach()
+    key = (StorageWeakRef(tensor.untyped_storage()), tensor.storage_offset(), tensor.shape, tensor.stride())
+    copy = _parameters_only_copies.get(key)
+    if copy is None:
+        copy = _parameters_only_copies[key] = tensor.to(torch.bfloat16)
+    return torch.float32, copy
+
+
+def parameters_only_unpack(stored):
+    return stored[1].to(stored[0]) if isinstance(stored, tuple) else stored
+
+
+def notebook_02_namespace() -> dict:
+    namespace: dict = {"__name__": "notebook_02"}
+    run_cell(cell_source(NB02, cell_id="02-001"), namespace)  # imports, seed, device
+    return namespace
+
+
+def run_exercise_2_check(namespace: dict) -> str:
+    return run_cell(cell_source(NB02, grade_id="exercise-2-check"), namespace)
+
+
+def test_exercise_2_check_rejects_the_first_solution_which_adds_memory():
+    namespace = notebook_02_namespace()
+    namespace.update(pack_bf16=first_solution_pack, unpack_bf16=first_solution_unpack)
+    with pytest.raises(AssertionError, match="the copies add memory"):
+        run_exercise_2_check(namespace)
+    assert namespace["graph_hooked"] > namespace["graph_plain"] > 0
+
+
+def test_exercise_2_check_accepts_the_solution_which_keeps_half():
+    namespace = notebook_02_namespace()
+    run_cell(cell_source(NB02_SOLUTIONS, grade_id="exercise-2"), namespace)
+    printed = run_exercise_2_check(namespace)
+    assert printed.startswith("correct:"), printed
+    assert 2 * namespace["graph_hooked"] == namespace["graph_plain"]
+
+
+def test_exercise_2_check_accepts_a_smaller_real_saving():
+    namespace = notebook_02_namespace()
+    namespace.update(pack_bf16=parameters_only_pack, unpack_bf16=parameters_only_unpack)
+    assert run_exercise_2_check(namespace).startswith("correct:")
+    assert namespace["graph_plain"] / 2 < namespace["graph_hooked"] < namespace["graph_plain"]
+
+
+def test_exercise_2_check_says_not_attempted_for_the_stub():
+    namespace = notebook_02_namespace()
+    run_cell(cell_source(NB02, grade_id="exercise-2"), namespace)
+    assert run_exercise_2_check(namespace).startswith("not attempted yet")
+
+
+def test_exercise_2_check_is_the_same_in_the_solutions():
+    assert cell_source(NB02, grade_id="exercise-2-check") == cell_source(NB02_SOLUTIONS, grade_id="exercise-2-check")
+
+
+# ---------------------------------------------------------------- 03, the checkpoint in one cell
+
+@pytest.fixture(scope="module")
+def one_cell_checkpoint():
+    namespace: dict = {"__name__": "notebook_03_one_cell"}
+    run_cell(cell_source(NB03, cell_id="03-one-cell"), namespace)  # the cell stands alone
+    return namespace["one_cell_checkpoint"]
+
+
+def gradients(run, tensors, seed=0):
+    torch.manual_seed(seed)
+    return torch.autograd.grad(run().sum(), tensors)
+
+
+def bitwise_equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def functions_to_checkpoint():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 8))
+    block = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 8)).train()
+    weight = torch.randn(8, 8, requires_grad=True)
+
+    def in_place_and_view(t):
+        h = t @ weight
+        h.relu_()
+        return h.transpose(-2, -1).reshape(-1)[:16].sin()
+
+    return {
+        "mlp": (mlp, list(mlp.parameters())),
+        "residual block with dropout": (lambda t: t + block(t), list(block.parameters())),
+        "in-place and view": (in_place_and_view, [weight]),
+        "dropout alone": (lambda t: F.dropout(t.exp(), p=0.5, training=True).sin(), []),
+    }
+
+
+@pytest.mark.parametrize("shape", [(3, 8), (1, 8), (2, 4, 8)])
+@pytest.mark.parametrize("name", list(functions_to_checkpoint()))
+def test_one_cell_checkpoint_is_bitwise_equal_to_plain_autograd_and_torch(one_cell_checkpoint, name, shape):
+    fn, parameters = functions_to_checkpoint()[name]
+    inputs = torch.randn(*shape, requires_grad=True)
+    tensors = [inputs, *parameters]
+    ours = gradients(lambda: one_cell_checkpoint(fn, inputs), tensors)
+    assert bitwise_equal(gradients(lambda: fn(inputs), tensors), ours)
+    assert bitwise_equal(gradients(lambda: torch_checkpoint(fn, inputs, use_reentrant=False), tensors), ours)
+
+
+def test_one_cell_checkpoint_recomputes_per_backward_pass_and_leaves_the_random_stream(one_cell_checkpoint):
+    x = torch.randn(6, requires_grad=True)
+    (expected,) = torch.autograd.grad(x.sin().exp().cos().sum(), x)
+    out = one_cell_checkpoint(lambda t: t.sin().exp().cos(), x).sum()
+    assert torch.equal(torch.autograd.grad(out, x, retain_graph=True)[0], expected)
+    assert torch.equal(torch.autograd.grad(out, x)[0], expected)
+
+    def next_random(wrap):
+        torch.manual_seed(1)
+        wrap(lambda t: F.dropout(t, p=0.5, training=True), x).sum().backward()
+        return torch.rand(4)
+
+    assert torch.equal(next_random(lambda fn, *args: fn(*args)), next_random(one_cell_checkpoint))
+
+
+def test_one_cell_checkpoint_names_a_rerun_that_saves_another_shape(one_cell_checkpoint):
+    setting = {"keep": 5}
+    x = torch.randn(5, requires_grad=True)
+    out = one_cell_checkpoint(lambda t: t[: setting["keep"]].sin(), x)
+    setting["keep"] = 3
+    with pytest.raises(CheckpointError, match=r"saved tensor #0: forward saved shape \(5,\)"):
+        torch.autograd.grad(out.sum(), x)
