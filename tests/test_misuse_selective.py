@@ -142,19 +142,15 @@ def test_selective_checkpoint_rejects_at_the_call(kwargs, exception, words, grad
     assert fn.count == 0
 
 
-@pytest.mark.parametrize("kwargs, exception, words", [row[1:] for row in POLICY_FROM_COSTS],
-                         ids=[row[0] for row in POLICY_FROM_COSTS])
-def test_policy_from_costs_rejects_before_measuring(kwargs, exception, words):
-    fn = Calls()
-    _check(lambda: policy_from_costs(fn, _x(), **kwargs), exception, words)
-    assert fn.count == 0
+MEASURING = [(policy_from_costs, *row) for row in POLICY_FROM_COSTS] + [(measure_op_costs, *row)
+                                                                         for row in MEASURE_OP_COSTS]
 
 
-@pytest.mark.parametrize("kwargs, exception, words", [row[1:] for row in MEASURE_OP_COSTS],
-                         ids=[row[0] for row in MEASURE_OP_COSTS])
-def test_measure_op_costs_rejects_before_measuring(kwargs, exception, words):
+@pytest.mark.parametrize("function, kwargs, exception, words", [(row[0], *row[2:]) for row in MEASURING],
+                         ids=[f"{row[0].__name__}: {row[1]}" for row in MEASURING])
+def test_measuring_functions_reject_before_measuring(function, kwargs, exception, words):
     fn = Calls()
-    _check(lambda: measure_op_costs(fn, _x(), **kwargs), exception, words)
+    _check(lambda: function(fn, _x(), **kwargs), exception, words)
     assert fn.count == 0
 
 
