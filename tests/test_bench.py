@@ -9,16 +9,19 @@ import math
 import random
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from ckptlib import bench
 from ckptlib.bench import (
-    MARKDOWN_BEGIN, MARKDOWN_END, SCHEMA, SUMMARY_KEYS, TINY, BenchError, Group, ProgressBar, Variant,
-    fit_log, fit_power_law, format_bar, format_table, main, median_and_iqr, ratio, selective_tradeoff,
-    summarise_group, to_markdown, write_markdown,
+    MARKDOWN_BEGIN, MARKDOWN_END, METER_VARIANTS, SCHEMA, SUMMARY_KEYS, TINY, BenchError, BenchRun, Group,
+    ProgressBar, TransformerSize, Variant, draw_figure, fit_log, fit_power_law, format_bar, format_report,
+    format_table, main, median_and_iqr, ratio, selective_tradeoff, summarise_group, to_markdown, write_figures,
+    write_markdown,
 )
+from ckptlib.memory import TimelineEntry
 
 FIGURES = ("memory_vs_depth", "overhead_per_variant", "memory_timeline", "scaling_peak_vs_n",
            "forward_calls_vs_theory")
@@ -282,10 +285,131 @@ def test_keep_freed_memory_sets_glibc_in_its_own_process():
     import subprocess
     import sys
 
-    script = "from ckptlib.bench import keep_freed_memory as k, _environment, TINY; print(k()); " \
+    script = "from ckptlib.bench import keep_freed_memory as k, TINY; from ckptlib.bench.timing import _environment; " \
+             "print(k()); " \
              "import torch; print(_environment(TINY, torch.device('cpu'))['allocator'])"
     lines = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
     if sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver()):
         assert lines[0] == lines[1] == "glibc, freed memory kept for reuse (mallopt)"
     else:
         assert lines[0] == lines[1] == "system default"
+
+
+# -- figures: redrawn from a saved run, nothing clipped ---------------------------------
+
+COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu.json"
+
+
+def committed_run() -> BenchRun:
+    """The committed CPU results, with made-up timelines (only the timeline figure reads them)."""
+    summary = json.loads(COMMITTED.read_text())
+    timelines = {f"blocks/{name}": [TimelineEntry(i, "aten.mm", phase, 2**20 * (i % 37))
+                                    for i, phase in enumerate(["forward"] * 400 + ["recompute", "backward"] * 300)]
+                 for name in ("plain", "ckptlib")}
+    return BenchRun(summary, timelines)
+
+
+def outside_the_canvas(figure) -> list[str]:
+    """What of ``figure`` reaches past its edges, as drawn (empty: nothing is clipped)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    drawn = figure.get_tightbbox(renderer)      # in inches: everything drawn, texts included
+    if drawn.x0 >= 0 and drawn.y0 >= 0 and drawn.x1 <= figure.get_figwidth() and drawn.y1 <= figure.get_figheight():
+        return []
+
+    def clipped(text: Text) -> bool:
+        extent = text.get_window_extent(renderer)
+        return extent.x0 < 0 or extent.y0 < 0 or extent.x1 > figure.bbox.width or extent.y1 > figure.bbox.height
+
+    texts = [text.get_text() for text in figure.findobj(Text) if text.get_visible() and text.get_text()]
+    return [text.get_text() for text in figure.findobj(Text) if text.get_text() in texts and clipped(text)] or [
+        f"something drawn spans {drawn}"]
+
+
+@pytest.mark.parametrize("name", FIGURES)
+def test_no_figure_clips_its_texts(name):
+    assert outside_the_canvas(draw_figure(name, committed_run())) == []
+
+
+def test_the_meter_has_its_own_panel_in_the_overhead_figure():
+    figure = draw_figure("overhead_per_variant", committed_run())
+    ways, meter = figure.axes
+    labels = [[tick.get_text() for tick in ax.get_yticklabels()] for ax in (ways, meter)]
+    assert labels[1] == [f"blocks/{name}" for name in METER_VARIANTS.values()]
+    assert not any("metered" in label for label in labels[0]) and "blocks/ckptlib" in labels[0]
+    assert "Recomputing costs time" in figure.get_suptitle() and "meter" in meter.get_title()
+
+
+def test_figures_redraw_from_a_saved_run(tmp_path):
+    saved = BenchRun(json.loads(COMMITTED.read_text()), {})
+    names = [name for name in FIGURES if name != "memory_timeline"]
+    written = write_figures(saved, tmp_path, names=names)
+    assert sorted(p.name for p in written) == sorted(f"{name}.{suffix}" for name in names for suffix in ("png", "svg"))
+    with pytest.raises(BenchError, match="memory_timeline needs the per-op timelines of a fresh run"):
+        write_figures(saved, tmp_path / "more")
+    assert not (tmp_path / "more").exists()        # checked before anything was written
+
+
+# -- misuse: clear errors before anything runs -------------------------------------------
+
+_SIZE = dict(depth=2, d_model=16, heads=2, seq=8, vocab=32, batch=2)
+
+BAD_CALLS = [
+    ("run config str", lambda: bench.run("TINY", progress=None), TypeError, ["config must be a Config", "str"]),
+    ("run device tpu", lambda: bench.run(TINY, "tpu", progress=None), BenchError, ["--device tpu", "'cpu' or 'cuda'"]),
+    ("run progress str", lambda: bench.run(TINY, progress="yes"), TypeError, ["progress must be 'auto'", "'yes'"]),
+    ("Config rounds 0", lambda: replace(TINY, rounds=0), ValueError, ["Config: rounds must be at least 1", "got 0"]),
+    ("Config rounds str", lambda: replace(TINY, rounds="5"), TypeError, ["Config: rounds must be an int", "'5'"]),
+    ("Config clock", lambda: replace(TINY, clock="sundial"), ValueError, ["clock must be one of", "'sundial'"]),
+    ("Config one n", lambda: replace(TINY, scaling_ns=(16, 16)), ValueError, ["scaling_ns", "2 different ints"]),
+    ("Config no depths", lambda: replace(TINY, depths=()), ValueError, ["depths must be a tuple of at least 1"]),
+    ("Config negative n", lambda: replace(TINY, scaling_ns=(-4, 16)), ValueError, ["each of scaling_ns", "-4"]),
+    ("Config blocks", lambda: replace(TINY, blocks=(2, 16)), TypeError, ["blocks must be a TransformerSize"]),
+    ("Config quick", lambda: replace(TINY, quick="no"), TypeError, ["quick must be True or False"]),
+    ("TransformerSize depth 0", lambda: TransformerSize(**{**_SIZE, "depth": 0}), ValueError,
+     ["TransformerSize: depth must be at least 1"]),
+    ("TransformerSize heads str", lambda: TransformerSize(**{**_SIZE, "heads": "2"}), TypeError,
+     ["TransformerSize: heads must be an int", "'2'"]),
+    ("format_report empty", lambda: format_report({}), BenchError, ["schema None", SCHEMA]),
+    ("to_markdown old schema", lambda: to_markdown({"schema": "ckptlib.bench/0"}), BenchError,
+     ["schema 'ckptlib.bench/0'", "rerun the bench"]),
+    ("to_markdown a list", lambda: to_markdown([]), BenchError, ["a list is not a ckptlib.bench summary"]),
+    ("write_figures summary", lambda: write_figures({"schema": SCHEMA}, "figures"), TypeError,
+     ["bench must be a BenchRun", "dict"]),
+    ("draw_figure name", lambda: draw_figure("pie_chart", committed_run()), ValueError,
+     ["no figure named 'pie_chart'", "memory_vs_depth"]),
+]
+
+
+@pytest.mark.parametrize("call, exception, words", [row[1:] for row in BAD_CALLS], ids=[row[0] for row in BAD_CALLS])
+def test_bad_arguments_of_the_python_entry_points(call, exception, words):
+    with pytest.raises(exception) as info:
+        call()
+    assert all(word in str(info.value) for word in words), str(info.value)
+
+
+BAD_COMMAND_LINES = [
+    ("from-json missing", ["--from-json", "{tmp}/missing.json"], ["--from-json", "missing.json", "cannot read"]),
+    ("from-json not JSON", ["--from-json", "{tmp}/notes.txt"], ["notes.txt: cannot read a JSON summary"]),
+    ("from-json and rounds", ["--from-json", "{tmp}/notes.txt", "--rounds", "3", "--threads", "1"],
+     ["--rounds --threads: only for a measurement"]),
+    ("markdown in a missing dir", ["--markdown", "{tmp}/nowhere/README.md"], ["--markdown", "existing directory"]),
+    ("json is a dir", ["--json", "{tmp}"], ["--json", "is a directory"]),
+    ("figures is a file", ["--figures", "{tmp}/notes.txt"], ["--figures", "is a file"]),
+    ("device before malloc", ["--device", "tpu", "--quick"], ["--device tpu"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", [row[1:] for row in BAD_COMMAND_LINES],
+                         ids=[row[0] for row in BAD_COMMAND_LINES])
+def test_bad_command_lines_fail_before_measuring(argv, words, tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("not json")
+    monkeypatch.setattr("ckptlib.bench.cli.run", lambda *a, **k: pytest.fail("measured despite a bad argument"))
+    monkeypatch.setattr("ckptlib.bench.cli.keep_freed_memory", lambda: pytest.fail("changed the allocator"))
+    with pytest.raises(SystemExit) as info:
+        main([arg.format(tmp=tmp_path) for arg in argv])
+    assert all(word in str(info.value) for word in words), str(info.value)

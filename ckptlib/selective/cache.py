@@ -1,0 +1,232 @@
+"""The cache of one selective checkpoint call: op outputs kept from forward, handed back in the rerun.
+
+Design notes
+============
+
+Keys. Outputs are kept per op overload and call position: the 3rd
+``aten.mm`` of the rerun is handed the output of the 3rd ``aten.mm`` of the
+forward (if the policy chose that call). Keying on the op as well as the
+position means that an op which the checkpoint machinery itself adds in only
+one of the two runs (``aten.detach``) cannot shift the others. A replayed
+entry also checks that its inputs have the shapes the forward saw, so a rerun
+that took another path raises ``CheckpointError`` instead of handing out the
+wrong tensor. ``ckptlib.checkpoint`` calls ``context_fn`` once per call, as
+``torch.utils.checkpoint`` does, so each call gets its own cache, shared by its
+two modes (the recomputation mode is entered again for every rerun).
+
+What is never cached, whatever the policy says:
+
+* views (``view``, ``t``, ``expand``, ``detach`` ...) and ops whose output
+  shares an input's storage (``_unsafe_view``): they cost nothing to redo, and
+  in the rerun they must alias the *recomputed* tensor, not the forward's;
+* ops that modify a tensor in place (``relu_``, ``div_``), unless random (below):
+  replaying one means copying its result into the tensor, as costly as the op,
+  and skipping it would leave the tensor unmodified.
+
+Random ops (``bernoulli_`` in dropout, ``randn``, ``native_dropout``). The
+checkpoint replays the RNG state, so a random op *rerun* draws the same numbers
+as in forward. A random op *replayed* from the cache draws nothing, which would
+shift the generator for every later random op of the rerun. So a cached random
+op also stores the generator's state right after it, and the replay sets the
+generator to that state: every later draw is as in forward. An in-place random
+op (dropout's ``bernoulli_`` fills a fresh tensor, then ``div_`` scales it in
+place) caches a private copy of the filled tensor and replays by copying it
+back. Random ops are rerun instead when there is no RNG replay to rely on
+(``preserve_rng_state=False``), when the op uses an explicit ``generator=`` or
+a device whose generator we do not handle (other than CPU and CUDA).
+
+Modified after saving. Each cached tensor remembers its version counter. If
+something later modifies it in place (``y = x @ w; y.relu_()``), the cached
+value is not the op's output any more: the forward mode drops such entries when
+the forward pass ends, and a replay that finds a changed version reruns the op.
+
+When the cache is freed. The cache holds what autograd would otherwise keep as
+saved tensors, so it follows their lifetime:
+
+* a backward that frees the graph (the default, ``retain_graph=False``) empties
+  the cache when its rerun ends: the replayed tensors now belong to the
+  recomputed saved tensors, each released after its single use, and whatever
+  the rerun did not reach (early stop) is dropped;
+* a backward with ``retain_graph=True`` leaves the cache whole, so the next
+  backward replays it again (``torch``'s SAC raises an error here instead);
+* a graph dropped without any backward frees the cache with it: only the
+  checkpoint's frame, which the graph owns, refers to the cache.
+
+A replay that finds its entry gone (``torch.autograd.grad`` on part of a graph
+without ``retain_graph``, then another backward through the rest) reruns the
+op, which is correct because the rerun's inputs are correct: the cache only
+ever saves time, it is never the only source of a value.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch._ops import OpOverload
+
+from ckptlib.checkpoint import CheckpointError
+from ckptlib.selective.opgraph import _OpGraph, _Skip
+from ckptlib.selective.ops import _PLAIN, _RANDOM_IN_PLACE, _map_tensors, _shapes, _storages, _tensors, _versions
+
+
+def _shares_input_storage(output: Any, args: tuple) -> bool:
+    return not _storages(output).isdisjoint(_storages(args))
+
+
+def _default_generator(tensor: torch.Tensor) -> torch.Generator | None:
+    if tensor.device.type == "cpu":
+        return torch.default_generator
+    if tensor.device.type == "cuda":
+        index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        return torch.cuda.default_generators[index]
+    return None
+
+
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """A new tensor object on the same memory, with no autograd history.
+
+    The cache must not hold the op's output object itself: autograd attaches
+    the output's ``grad_fn`` to it, and the graph owns the cache, a reference
+    cycle. We run below autograd, where ``detach`` would not share the version
+    counter; re-enabling the ADInplaceOrView key makes it share, so in-place
+    changes to the output stay visible to the cache (as in torch's SAC).
+    """
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return tensor.detach()
+
+
+@dataclass
+class _Saved:
+    """The output of one op call, kept from forward to recomputation."""
+
+    value: Any                         # the output, detached; a private copy for an in-place op
+    versions: tuple[int, ...]          # version counters when saved; a change = modified since
+    input_shapes: tuple[torch.Size, ...]
+    in_place: bool
+    generator: torch.Generator | None = None     # for a random op: its generator, and the
+    generator_state: torch.Tensor | None = None  # generator's state right after the op
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in _tensors(self.value))
+
+    def is_stale(self) -> bool:
+        return _versions(self.value) != self.versions
+
+    def replay(self, args: tuple) -> Any:
+        if self.generator is not None:
+            self.generator.set_state(self.generator_state)
+        if self.in_place:
+            return args[0].copy_(self.value)
+        return _map_tensors(_detached, self.value)
+
+
+def _save(func: OpOverload, kind: str, args: tuple, kwargs: dict, output: Any,
+          replay_random: bool) -> _Saved | None:
+    """Make the cache entry for one op call, or ``None`` where caching it would be wrong
+    or useless (see "What is never cached" in the module notes). ``kind`` is cacheable."""
+    if kind == _PLAIN:
+        if _shares_input_storage(output, args):
+            return None
+        return _Saved(_map_tensors(_detached, output), _versions(output), _shapes(args), False)
+    explicit_generator = any(isinstance(a, torch.Generator) for a in (*args, *kwargs.values()))
+    generator = _default_generator(_tensors(output)[0])
+    if not replay_random or explicit_generator or generator is None:
+        return None
+    value = args[0].clone() if kind == _RANDOM_IN_PLACE else _map_tensors(_detached, output)
+    return _Saved(value, _versions(value), _shapes(args), kind == _RANDOM_IN_PLACE,
+                  generator, generator.get_state())
+
+
+class _OpCache:
+    """What one selective checkpoint call keeps: per op overload, its number of calls in
+    forward and the saved outputs by call position; and, when the checkpoint reports
+    what it saves, the plan of which calls the recomputation may skip."""
+
+    def __init__(self, replay_random: bool) -> None:
+        self.replay_random = replay_random
+        self.calls: Counter[OpOverload] = Counter()
+        self.saved: dict[OpOverload, dict[int, _Saved]] = {}
+        self.graph: _OpGraph | None = None      # recorded in forward when saved tensors are observed
+        self.skippable: dict[tuple[OpOverload, int], _Skip] | None = None   # the plan, once forward ends
+        self.intact = True      # every entry the plan counted on is still here
+        # Plan reuse (SelectivePlans): a recording call logs its op sequence and hands what it
+        # learned (this cache, the op graph, the sequence) to ``plan_sink``; a call that reuses a
+        # plan checks its rerun against ``sequence`` and reports a difference to ``on_mismatch``.
+        self.plan_sink: Callable[[_OpCache, _OpGraph, tuple[OpOverload, ...]], None] | None = None
+        self.sequence_log: list[OpOverload] | None = None
+        self.sequence: tuple[OpOverload, ...] | None = None
+        self.on_mismatch: Callable[[], None] | None = None
+        self.passthrough = False     # nothing cached, nothing counted: the rerun runs every op
+        self.input_storages: frozenset[int] = frozenset()    # the function's inputs' (for fingerprints)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the cache holds now (each storage once)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for by_position in self.saved.values() for saved in by_position.values()
+                    for t in _tensors(saved.value)}
+        return sum(storages.values())
+
+    def drop_stale(self) -> None:
+        for by_position in self.saved.values():
+            for position in [p for p, saved in by_position.items() if saved.is_stale()]:
+                del by_position[position]
+
+    def finish_forward(self, completed: bool = True) -> None:
+        """Forward is over: forget entries modified since, and plan which calls to skip (and,
+        if it ``completed`` and a plan is wanted, hand what a reusable plan is made of to ``plan_sink``)."""
+        self.drop_stale()
+        if self.graph is not None:
+            cached = {(func, position) for func, by_position in self.saved.items() for position in by_position}
+            self.skippable = self.graph.unneeded_calls(cached)
+            if completed and self.plan_sink is not None and self.graph.packs is not None \
+                    and self.sequence_log is not None:
+                self.plan_sink(self, self.graph, tuple(self.sequence_log))
+            self.graph = None
+            self.sequence_log = None
+
+    def plan_for_rerun(self) -> dict[tuple[OpOverload, int], _Skip] | None:
+        """The calls this recomputation may skip: none unless every cached entry the plan
+        counted on is still there, unmodified (otherwise its op reruns, from inputs the
+        plan may have skipped)."""
+        if self.skippable is None or not self.intact:
+            return None
+        if any(saved.is_stale() for by_position in self.saved.values() for saved in by_position.values()):
+            return None
+        return self.skippable
+
+    def check_position(self, func: OpOverload, position: int) -> None:
+        if position >= self.calls[func]:
+            raise CheckpointError(
+                f"selective checkpoint: the recomputation called {func} {position + 1} times, the "
+                f"forward pass only {self.calls[func]} times, so the cached outputs no longer match "
+                "the ops. The checkpointed function must run the same ops in both passes: no "
+                "branches on random numbers, time, global flags or train/eval mode changed in between."
+            )
+
+    def take(self, func: OpOverload, position: int, args: tuple, consume: bool) -> _Saved | None:
+        """The entry for call ``position`` of ``func``, if saved; ``consume`` forgets it
+        (nothing will replay it again), so it dies with the last tensor that uses it."""
+        by_position = self.saved[func]
+        saved = by_position.pop(position, None) if consume else by_position.get(position)
+        if saved is not None and _shapes(args) != saved.input_shapes:
+            _raise_shape_mismatch(func, position, args, saved.input_shapes)
+        return saved
+
+    def release(self) -> None:
+        self.saved.clear()
+        self.intact = False
+
+
+def _raise_shape_mismatch(func: OpOverload, position: int, args: tuple, expected: tuple) -> None:
+    raise CheckpointError(
+        f"selective checkpoint: call #{position} of {func} got inputs of shapes "
+        f"{[list(shape) for shape in _shapes(args)]} in the recomputation but "
+        f"{[list(shape) for shape in expected]} in the forward pass, so its cached "
+        "output does not belong to this call. Make the checkpointed function run the same "
+        "ops on the same shapes in both passes."
+    )
+

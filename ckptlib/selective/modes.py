@@ -1,0 +1,296 @@
+"""The two dispatch modes of selective checkpointing: save the chosen ops in forward, replay or skip them in the rerun.
+
+Design notes
+============
+
+Two dispatch modes. ``selective_checkpoint`` is ``ckptlib.checkpoint`` with a
+``context_fn`` that returns two ``TorchDispatchMode``\\ s sharing one cache
+(:mod:`ckptlib.selective.cache`). A dispatch mode sees every aten op *below*
+autograd (``torch.mm``, ``F.linear`` and ``x @ w`` all arrive as
+``aten.mm``/``aten.addmm``):
+
+* forward, :class:`SaveChosenOps`: run each op; if the policy says save, put
+  its output in the cache; and record the op graph
+  (:mod:`ckptlib.selective.opgraph`), from which the end of forward plans the
+  calls the rerun may skip.
+* recomputation, :class:`ReplaySavedOps`: for an op whose output is cached,
+  return the cached output instead of running the op; skip the ops whose
+  results nothing needs; run every other op.
+
+Their ``__torch_dispatch__`` runs for every op: kept lean.
+
+The policy is checked when the modes are made, not on the first op: a
+collection must hold aten ops, a callable must take ``(op, *args, **kwargs)``.
+"""
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from typing import Any, Callable, Collection, Union
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ckptlib.checkpoint import CheckpointError, RecomputeAgain
+from ckptlib.selective.arguments import _qualname, _require_bool
+from ckptlib.selective.cache import _OpCache, _raise_shape_mismatch, _save
+from ckptlib.selective.opgraph import _from_template, _OpGraph, _Skip
+from ckptlib.selective.ops import (
+    _CACHEABLE_KINDS, _RANDOM, _RANDOM_IN_PLACE, _VIEW, _input_tensors, _is_parameter_cast, _op_kind, _tensors,
+)
+from ckptlib.selective.signatures import _next_node_number
+
+Policy = Union[Callable[..., bool], Collection[Union[OpOverload, OpOverloadPacket]]]
+"""``policy(op, *args, **kwargs) -> bool`` (save this op's output?), or a collection of
+ops to save (an ``OpOverload`` such as ``aten.mm.default`` matches that overload, an
+``OpOverloadPacket`` such as ``aten.mm`` all of its overloads)."""
+
+
+def _as_predicate(policy: Policy) -> Callable[[OpOverload, tuple, dict], bool]:
+    """``policy`` as ``predicate(func, args, kwargs) -> bool``; a ``TypeError`` now, at the call, for a
+    policy that would fail on the first op (not an aten op, not callable as ``policy(op, *args, **kwargs)``)."""
+    if isinstance(policy, (OpOverload, OpOverloadPacket)):
+        policy = {policy}
+    if callable(policy):
+        _check_policy_signature(policy)
+        return lambda func, args, kwargs: bool(policy(func, *args, **kwargs))
+    if isinstance(policy, (str, bytes)) or not isinstance(policy, Collection):
+        raise TypeError(f"policy must be a callable policy(op, *args, **kwargs) -> bool or a collection "
+                        f"of aten ops such as {{torch.ops.aten.mm.default}}, got {type(policy).__name__}.")
+    ops = frozenset(policy)
+    for op in ops:
+        if not isinstance(op, (OpOverload, OpOverloadPacket)):
+            raise TypeError(f"policy contains {op!r} ({type(op).__name__}), which is not an aten op; "
+                            "use ops like torch.ops.aten.mm.default or torch.ops.aten.mm (all overloads), "
+                            "not torch.mm or strings.")
+    return lambda func, args, kwargs: func in ops or func.overloadpacket in ops
+
+
+def _check_policy_signature(policy: Callable[..., Any]) -> None:
+    """The modes call ``policy(op, *args, **kwargs)`` for every op, with as many arguments as the op
+    takes and, for some ops (``_to_copy(x, dtype=...)``), keyword arguments: a policy must accept
+    all of that. (A callable whose signature Python cannot read, a builtin, is taken on trust.)"""
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):
+        return
+    kinds = {parameter.kind for parameter in signature.parameters.values()}
+    try:
+        signature.bind(None)
+        takes_op = True
+    except TypeError:
+        takes_op = False
+    if takes_op and inspect.Parameter.VAR_POSITIONAL in kinds and inspect.Parameter.VAR_KEYWORD in kinds:
+        return
+    name = _qualname(policy)
+    raise TypeError(f"policy {name}{signature} cannot be called as policy(op, *args, **kwargs): selective "
+                    "checkpointing calls it with every aten op, that op's arguments and its keyword "
+                    "arguments. Give it the parameters (op, *args, **kwargs), or pass a collection of aten "
+                    "ops such as {torch.ops.aten.mm.default}.")
+
+
+class SaveChosenOps(TorchDispatchMode):
+    """Forward mode: run every op, and cache the outputs of those the policy chooses.
+
+    When the checkpoint reports the tensors it drops (``observe_saved_tensors``, called
+    by ``ckptlib.checkpoint``), it also records the op graph, from which the end of the
+    forward pass plans which calls the recomputation can skip.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False   # eager only: torch's dynamo-disabling wrapper costs ~5 us on every op
+
+    def __init__(self, policy: Policy, cache: _OpCache, *, skip_unneeded: bool = True) -> None:
+        super().__init__()
+        self.should_save = _as_predicate(policy)
+        self.cache = cache
+        self.skip_unneeded = skip_unneeded
+
+    def observe_saved_tensors(self) -> Callable[[torch.Tensor], None] | None:
+        """Called by ``ckptlib.checkpoint`` before forward: returns where to report each
+        tensor autograd saves (or ``None``: not interested), and starts the op graph."""
+        if not self.skip_unneeded:
+            return None
+        self.cache.graph = _OpGraph()
+        if self.cache.plan_sink is not None:
+            self.cache.graph.packs, self.cache.sequence_log = [], []
+            self.cache.graph.input_storages = self.cache.input_storages
+        return self.cache.graph.note_saved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        output = func(*args, **kwargs)
+        kind = _op_kind(func)
+        if kind == _VIEW or _is_parameter_cast(func, args):
+            return output
+        cache = self.cache
+        position = cache.calls[func]
+        cache.calls[func] = position + 1
+        if cache.sequence_log is not None:
+            cache.sequence_log.append(func)
+        if kind in _CACHEABLE_KINDS and self.should_save(func, args, kwargs):
+            saved = _save(func, kind, args, kwargs, output, cache.replay_random)
+            if saved is not None:
+                cache.saved.setdefault(func, {})[position] = saved
+        if cache.graph is not None:
+            cache.graph.record(func, position, kind, args, kwargs, output)
+        return output
+
+    def __enter__(self):
+        graph = self.cache.graph
+        if graph is not None and graph.packs is not None:
+            graph.first_node = _next_node_number()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, *exc_info):
+        self.cache.finish_forward(completed=exc_type is None)
+        return super().__exit__(exc_type, *exc_info)
+
+
+class ReplaySavedOps(TorchDispatchMode):
+    """Recomputation mode: hand back cached outputs in forward order, skip the calls whose
+    results nothing needs (empty stand-ins of the right shape), run every other op.
+
+    May be entered once per recomputation (``retain_graph=True`` backwards):
+    each entry counts calls from zero again.
+
+    If a skipped result turns out to be needed after all (the function read a skipped
+    tensor's ``.device`` in Python to make a new one, so the op graph saw no dependency), an op
+    that runs meets a meta tensor and fails, or a random op draws nothing on one: the mode
+    switches skipping off and raises :class:`~ckptlib.checkpoint.RecomputeAgain`, and the
+    checkpoint runs the function once more. Correct, at the price of a second rerun.
+    """
+
+    _should_skip_dynamo = SaveChosenOps._should_skip_dynamo
+
+    def __init__(self, cache: _OpCache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.calls: Counter[OpOverload] = Counter()
+        self.consume = False
+        self.skippable: dict[tuple[OpOverload, int], _Skip] | None = None
+        self.sequence: tuple[OpOverload, ...] | None = None
+        self.step = 0
+        self.active = False      # this entry pushed the mode (not so in passthrough)
+
+    def __enter__(self):
+        if self.cache.passthrough:
+            return self       # a reused plan did not fit this call: plain rerun, no mode at all
+        self.calls.clear()
+        self.consume = _backward_frees_graph()
+        self.skippable = self.cache.plan_for_rerun()
+        self.sequence, self.step = self.cache.sequence, 0
+        self.active = True
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.skippable is None:
+            return self._dispatch(func, args, kwargs)
+        try:
+            output = self._dispatch(func, args, kwargs)
+        except (RecomputeAgain, CheckpointError):
+            raise
+        except Exception:
+            if any(t.is_meta for t in _input_tensors(args, kwargs)) and self.recompute_again():
+                raise RecomputeAgain from None    # it read a skipped result
+            raise
+        kind = _op_kind(func)
+        if (kind is _RANDOM or kind is _RANDOM_IN_PLACE) and any(t.is_meta for t in _tensors(output)) \
+                and self.recompute_again():
+            raise RecomputeAgain   # drew nothing: later random ops would draw other numbers
+        return output
+
+    def _dispatch(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
+        if _op_kind(func) == _VIEW or _is_parameter_cast(func, args):
+            return func(*args, **kwargs)
+        if self.sequence is not None:
+            self._check_sequence(func)
+        position = self.calls[func]
+        self.calls[func] = position + 1
+        cache = self.cache
+        cache.check_position(func, position)
+        if self.skippable is not None:
+            skip = self.skippable.get((func, position))
+            if skip is not None:
+                shapes = tuple([t.shape for t in _input_tensors(args, kwargs)])
+                if shapes != skip.input_shapes:
+                    _raise_shape_mismatch(func, position, (args, tuple(kwargs.values())), skip.input_shapes)
+                return _from_template(skip.template)
+        if func not in cache.saved:     # no call of this op was saved (or the cache is released)
+            return func(*args, **kwargs)
+        saved = cache.take(func, position, args, self.consume)
+        if saved is None or saved.is_stale():
+            return func(*args, **kwargs)
+        return saved.replay(args)
+
+    def recompute_again(self) -> bool:
+        """(``ckptlib.checkpoint`` protocol) A result this rerun skipped was needed after all:
+        switch skipping off for every later rerun of this call, and say whether running the
+        function again can help (only if something was skipped)."""
+        if self.skippable is None:
+            return False
+        cache = self.cache
+        cache.intact = False           # plan_for_rerun: no skipping from now on
+        if cache.sequence is not None:
+            cache.sequence = None      # a reused plan that skips too much: forget it
+            if cache.on_mismatch is not None:
+                cache.on_mismatch()
+        return True
+
+    def _check_sequence(self, func: OpOverload) -> None:
+        """(a call reusing a plan) The rerun must run the ops of the call that recorded it.
+        If not, the entries rebuilt from the saved tensors may belong to other calls: drop
+        them all and run the function again as full checkpointing would."""
+        step, sequence = self.step, self.sequence
+        self.step = step + 1
+        if step < len(sequence) and sequence[step] is func:
+            return
+        cache = self.cache
+        cache.saved.clear()
+        cache.passthrough = True
+        cache.sequence = cache.skippable = None
+        if cache.on_mismatch is not None:
+            cache.on_mismatch()
+        raise RecomputeAgain
+
+    def __exit__(self, *exc_info):
+        if not self.active:
+            return False
+        self.active = False
+        if self.consume:
+            self.cache.release()
+        self.skippable = None
+        self.sequence = None
+        return super().__exit__(*exc_info)
+
+
+def _backward_frees_graph() -> bool:
+    """True inside a backward pass that was not asked to ``retain_graph``."""
+    return (torch._C._current_graph_task_id() != -1
+            and not torch._C._autograd._get_current_graph_task_keep_graph())
+
+
+def selective_contexts(policy: Policy, *, replay_random: bool = True,
+                       skip_unneeded: bool = True) -> tuple[SaveChosenOps, ReplaySavedOps]:
+    """A fresh ``(forward_context, recompute_context)`` pair sharing one empty cache.
+
+    This is the ``context_fn`` protocol of ``torch.utils.checkpoint``, so the pair
+    also works there: ``context_fn=functools.partial(selective_contexts, save_matmuls)``
+    (without skipping unneeded ops: torch does not report what autograd saved).
+    With ``ckptlib.checkpoint`` it is what :func:`selective_checkpoint` does.
+    ``replay_random=False`` reruns random ops instead of replaying them (needed
+    when the checkpoint does not replay the RNG state); ``skip_unneeded``: see
+    :func:`selective_checkpoint`.
+
+    >>> from ckptlib.selective import save_matmuls
+    >>> forward_mode, recompute_mode = selective_contexts(save_matmuls)
+    >>> forward_mode.cache is recompute_mode.cache
+    True
+    """
+    _require_bool("selective_contexts", replay_random=replay_random, skip_unneeded=skip_unneeded)
+    cache = _OpCache(replay_random)
+    return SaveChosenOps(policy, cache, skip_unneeded=skip_unneeded), ReplaySavedOps(cache)
+

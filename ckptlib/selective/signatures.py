@@ -1,0 +1,101 @@
+"""What must match for one call to reuse another's plan: a signature before the call, a fingerprint per saved tensor.
+
+Design notes
+============
+
+A reused plan (:mod:`ckptlib.selective.plans`) stands in for the forward
+dispatch mode, so it may only be used where the forward would have recorded the
+same plan. Two checks decide that, both erring towards more work:
+
+* before the call, its *signature*: the policy, every input tensor's type,
+  shape, strides, dtype, device and ``requires_grad``, the other arguments
+  (hashable ones; otherwise no signature, and no reuse), the train/eval flags of
+  a module's submodules, autocast, the deterministic-algorithms setting, and
+  what else changes which autograd nodes a call makes: the caller's dispatch
+  modes (under one, some ops decompose differently) and global module hooks
+  (``FlopCounterMode`` wraps each module call in autograd functions). Calls with
+  different signatures get different plans;
+* during the call's forward, a *fingerprint* of every tensor autograd saves:
+  shape, dtype, device, and the autograd node that made it, by kind
+  (``SoftmaxBackward0``) and by its place among the nodes the call created. The
+  place is what keeps a cached output from being rebuilt from a tensor another
+  op made. Node places are counted from the sequence number autograd gives the
+  call's first node (:func:`_next_node_number`).
+
+What no check sees is a call whose unsaved intermediate results flow
+differently with the same ops and the same saved tensors; the rerun then fails
+loudly or runs again (``ReplaySavedOps``).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Collection
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
+from torch.utils._pytree import tree_flatten
+
+from ckptlib.checkpoint import _autocast_state
+from ckptlib.selective.ops import _storage_key
+
+if TYPE_CHECKING:
+    from ckptlib.selective.modes import Policy
+
+
+def _fingerprint(tensor: torch.Tensor, input_storages: Collection[int], first_node: int) -> tuple:
+    """What a reused plan checks of each saved tensor: shape, dtype, device, and the autograd
+    node that made it: its kind (``SoftmaxBackward0``) and its place among the nodes the call
+    created (``first_node``: the sequence number of the first); for a view, its base's node (a
+    ``reshape`` is a ``ViewBackward0`` under a dispatch mode and a ``ReshapeAliasBackward0``
+    without one); ``"input"`` for (a view of) an input of the function."""
+    if _storage_key(tensor) in input_storages:
+        return (tensor.shape, tensor.dtype, tensor.device, "input")
+    is_view = tensor._is_view()
+    node = tensor._base.grad_fn if is_view else tensor.grad_fn
+    if node is None:       # a leaf (a parameter) or a view of one
+        return (tensor.shape, tensor.dtype, tensor.device, is_view, None)
+    place = node._sequence_nr() - first_node
+    return (tensor.shape, tensor.dtype, tensor.device, is_view, type(node), place if place >= 0 else "before")
+
+
+def _next_node_number() -> int:
+    """The sequence number autograd gives the next node this thread creates. (The probe is
+    hidden from dispatch modes: an enclosing selective checkpoint must not count its ops.)"""
+    with torch._C._DisableTorchDispatch():
+        probe = torch.empty(0, requires_grad=True).view(0)    # creates one node
+    return probe.grad_fn._sequence_nr() + 1
+
+
+def _signature(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy,
+               replay_random: bool, early_stop: bool) -> tuple | None:
+    """What must be equal for a call to reuse another's plan (``None``: never reuse): the
+    policy, every input tensor's type, shape, strides, dtype, device and ``requires_grad``,
+    the other arguments, the train/eval flags of a module's submodules, autocast, the
+    deterministic-algorithms setting and the caller's dispatch modes and module hooks. The
+    saved tensors of the call are checked as well."""
+    try:
+        policy_key = frozenset(policy) if isinstance(policy, (set, list, tuple)) else policy
+        hash(policy_key)
+        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
+            leaves, spec = tree_flatten((args, kwargs))
+            structure: Any = str(spec)
+        else:
+            leaves, structure = args, len(args)
+        parts = tuple([(type(leaf), leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)
+                       if isinstance(leaf, torch.Tensor) else (type(leaf), leaf) for leaf in leaves])
+        hash(parts)
+    except TypeError:     # an unhashable policy or argument
+        return None
+    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    training = tuple([m.training for m in module.modules()]) if isinstance(module, torch.nn.Module) else ()
+    return (policy_key, structure, parts, training, _autocast_state(), torch.are_deterministic_algorithms_enabled(),
+            _ambient_tracing(), replay_random, early_stop)
+
+
+def _ambient_tracing() -> tuple:
+    """What else changes the nodes autograd makes: the caller's dispatch modes (under one, some
+    ops decompose differently) and global module hooks (``FlopCounterMode`` tracks modules with
+    autograd functions around each call)."""
+    modes = tuple([type(mode) for mode in _dispatch_mode_stack()])
+    hooks = torch.nn.modules.module
+    return modes, len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks)
+
