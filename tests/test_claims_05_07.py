@@ -20,12 +20,11 @@ from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_seq
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import ckptlib
-from ckptlib.checkpoint import is_recomputing, record_trace
-from ckptlib.memory import MemoryMeter, measure
-from ckptlib.models import MLPChain, TinyTransformer
-from ckptlib.offload import offload_saved_tensors
-from ckptlib.policies import SelectivePlans, save_matmuls, selective_checkpoint
-from ckptlib.schedules import revolve, sqrt_n, uniform
+from ckptlib import (
+    MemoryMeter, MLPChain, TinyTransformer, measure, offload_saved_tensors, record_trace, revolve, save_matmuls,
+    selective_checkpoint, sqrt_n, uniform,
+)
+from ckptlib.policies import SelectivePlans
 
 aten = torch.ops.aten
 KIB = 1024
