@@ -62,11 +62,11 @@ LEGEND = {
     "output": "output",
     "op": "backward op",
     "kept": "saved by autograd (counted)",
-    "saved leaf": "saved leaf or view of one: its own memory (not counted)",
-    "dropped": "dropped by checkpoint (counted as dropped)",
-    "frees nothing": "dropped, but an input: frees nothing (not counted)",
-    "recomputed": "recomputed in backward (counted as dropped)",
-    "recomputed, frees nothing": "handed back in backward, but an input: nothing allocated (not counted)",
+    "saved leaf": "a leaf's own memory (not counted)",
+    "dropped": "dropped by checkpoint (counted)",
+    "frees nothing": "dropped input: frees nothing",
+    "recomputed": "recomputed in backward (counted)",
+    "recomputed, frees nothing": "recomputed input: no new memory",
     "freed": "freed by backward",
     "modified": "modified in place: backward fails",
     "module": "module (collapsed)",
@@ -334,6 +334,10 @@ def _module_label(path: str, members: list[GraphNode], module_types: dict[str, s
 def _draw_legend(dot: graphviz.Digraph, used: list[str], caption: str) -> None:
     with dot.subgraph(name="cluster_legend") as legend:
         legend.attr(label="legend", fontname=FONT, fontsize="10", color="grey70")
-        for style in (style for style in STYLES if style in used):
+        shown = [style for style in STYLES if style in used]
+        for style in shown:
             legend.node(f"legend.{style}", LEGEND[style], **STYLES[style])
+        # Invisible edges stack the entries in a column: a row would make the picture wide.
+        for above, below in zip(shown, shown[1:]):
+            legend.edge(f"legend.{above}", f"legend.{below}", style="invis")
     dot.attr(label=caption, fontname=FONT, fontsize="10")

@@ -77,7 +77,7 @@ class SideBySide:
         for position, graph in enumerate(graphs):
             if not isinstance(graph, (str, graphviz.Digraph, graphviz.Graph, graphviz.Source, AutogradGraph,
                                       torch.Tensor)):
-                raise TypeError(f"SideBySide: graph #{position} is a {type(graph).__name__}; pass DOT source, "
+                raise TypeError(f"SideBySide: graph #{position} is of type {type(graph).__name__}; pass DOT source, "
                                 "a graphviz object, an AutogradGraph or a tensor that requires grad.")
         if isinstance(titles, str) or not all(isinstance(title, str) for title in titles):
             raise TypeError(f"SideBySide: titles must be a list of strings, one per graph, got {titles!r}.")
@@ -103,7 +103,7 @@ class SideBySide:
                 f'<div style="display: inline-block; vertical-align: top; width: {width * share:.3f}%;{gap}">'
                 f'<div style="font-weight: bold; margin-bottom: 4px">{html.escape(title)}</div>'
                 f'<img alt="{html.escape(title or "graph")}" src="data:image/svg+xml;base64,{data}" '
-                f'style="width: 100%; max-width: {width:.0f}px; height: auto"></div>'
+                f'style="width: 100%; max-width: {width:.1f}px; height: auto"></div>'
             )
         return f'<div class="ckptlib-side-by-side" style="width: 100%">{"".join(cells)}</div>'
 

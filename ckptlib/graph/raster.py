@@ -40,7 +40,14 @@ def svg_to_png(svg: str, *, dpi: int = 96) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    root = ET.fromstring(svg.encode("utf-8"))
+    if not isinstance(svg, str):
+        raise TypeError(f"svg_to_png: svg must be the SVG text Graphviz wrote (a str), got {type(svg).__name__}.")
+    try:
+        root = ET.fromstring(svg.encode("utf-8"))
+    except ET.ParseError as error:
+        raise ValueError(f"svg_to_png: the text is not SVG ({error}); pass what render_svg returns.") from None
+    if root.tag != f"{_SVG}svg":
+        raise ValueError(f"svg_to_png: the document is a <{root.tag}>, not an SVG; pass what render_svg returns.")
     width, height = (_points(root.get(side)) for side in ("width", "height"))
     figure = Figure(figsize=(width / 72, height / 72), dpi=dpi)
     FigureCanvasAgg(figure)

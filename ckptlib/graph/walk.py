@@ -148,7 +148,7 @@ def output_tensors(outputs: Any, caller: str) -> list[torch.Tensor]:
                         f"got {type(outputs).__name__}.")
     for position, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{caller}: output #{position} is a {type(tensor).__name__}, not a tensor; "
+            raise TypeError(f"{caller}: output #{position} is of type {type(tensor).__name__}, not a tensor; "
                             "pass tensors computed from inputs with requires_grad=True.")
         if not tensor.requires_grad:
             raise ValueError(
@@ -237,7 +237,7 @@ class _Names:
             if not isinstance(name, str):
                 raise TypeError(f"{caller}: params has the key {name!r}; names must be strings.")
             if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{caller}: params[{name!r}] is a {type(tensor).__name__}, "
+                raise TypeError(f"{caller}: params[{name!r}] is of type {type(tensor).__name__}, "
                                 "not a tensor; pass only tensors to name.")
         self.named = [(name, tensor, _leaf_kind(tensor, name in buffers)) for name, tensor in named]
         self.by_view: dict[tuple, str] = {}
