@@ -814,3 +814,51 @@ def test_side_by_side_in_chromium_at_1100_px(tmp_path):
     assert shown[0]["scale"] == pytest.approx(shown[1]["scale"], rel=0.01)
     assert all(item["right"] <= 1100 + 8 for item in shown)  # nothing past the 1100 px row
     assert all(item["titleBottom"] <= item["top"] for item in shown)  # each title above its graph
+
+
+def test_without_matplotlib_or_system_dot_the_png_is_left_out(no_system_dot, monkeypatch):
+    from IPython.core.formatters import DisplayFormatter
+
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # `import` now fails
+    graph = small_graph()
+    with pytest.raises(RuntimeError, match="pip install matplotlib"):
+        render_png(graph)
+    data, _ = DisplayFormatter().format(graph)
+    assert "image/png" not in data and "image/svg+xml" in data  # the SVG still shows
+
+
+def test_notebook_pngs_are_compact_and_keep_their_size(monkeypatch):
+    from ckptlib.graph.render import png_for_display
+
+    graph = checkpointed_mlp("sqrt", depth=4)[1]
+    png, size = png_for_display(graph)
+    raw = render_png(graph, dpi=192)
+    assert png_size(png) == png_size(raw) and size["width"] == png_size(raw)[0] // 2
+    assert len(png) < len(raw) / 2
+    monkeypatch.setitem(sys.modules, "PIL", None)  # without Pillow: the PNG as Graphviz made it
+    assert png_for_display(graph)[0] == raw
+
+
+@pytest.mark.parametrize("checkpoint_every", [0, 2])
+def test_collapsed_module_boxes_add_up_to_the_caption(checkpoint_every):
+    torch.manual_seed(0)
+    model = TinyTransformer(depth=4, checkpoint_every=checkpoint_every)
+    with trace_modules(model) as modules:
+        loss = model(torch.randint(0, 16, (2, 5))).logsumexp(-1).mean()
+    graph = autograd_graph(loss, modules=modules)
+    dot = to_dot(graph, collapse="module")
+    saved = dropped = rounded = 0
+    for entry in dot.body:
+        label = re.search(r'label="((?:[^"\\]|\\.)*)"', entry)
+        if label is None or "legend" in entry:
+            continue
+        text = label.group(1)
+        rounded += text.count("KiB")  # printed to 0.1 KiB: within 52 B
+        if "shape=box3d" in entry:  # a module: "saved X" and perhaps "dropped Y"
+            for kind, size in re.findall(r"^(saved|dropped) (.+)$", text, re.MULTILINE):
+                amount = label_bytes(size)
+                saved, dropped = (saved + amount, dropped) if kind == "saved" else (saved, dropped + amount)
+        elif "fillcolor=orange" in entry:
+            saved += label_bytes(text.splitlines()[-1])
+    assert saved == pytest.approx(graph.saved_bytes, abs=52 * rounded)
+    assert dropped == pytest.approx(graph.dropped_bytes, abs=52 * rounded)

@@ -23,7 +23,9 @@ One box per memory. Kept tensors that are one view of one memory share a box
 (``exp``'s result is ``sin``'s input), with one dashed edge per node that saves
 it. When the sharers are in different states (a replay marks one freed while
 another node still holds it), the box shows the most alive state: the memory
-is there while anyone holds it.
+is there while anyone holds it. A collapsed module's box counts the memory
+its nodes save once in the whole picture: a tensor that one module outputs and
+the next takes in is counted in one of them, so the boxes add up to the caption.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import graphviz
 import torch
 
 from ckptlib.graph.nodes import (
-    AutogradGraph, GraphNode, SavedTensor, bytes_text, distinct_storage_bytes, dtype_text, shape_text,
+    AutogradGraph, GraphNode, SavedTensor, bytes_text, dtype_text, shape_text,
 )
 from ckptlib.graph.render import png_for_display, render_svg
 from ckptlib.graph.walk import build_graph
@@ -69,7 +71,7 @@ LEGEND = {
     "recomputed, frees nothing": "recomputed input: no new memory",
     "freed": "freed by backward",
     "modified": "modified in place: backward fails",
-    "module": "module (collapsed)",
+    "module": "module (collapsed): its memory, counted once",
     "module dropped": "module, checkpointed",
     "module recomputed": "module, recomputed",
 }
@@ -98,7 +100,7 @@ class NotebookDigraph(graphviz.Digraph):
     def _repr_image_svg_xml(self) -> str:
         return render_svg(self)
 
-    def _repr_png_(self) -> tuple[bytes, dict[str, int]]:
+    def _repr_png_(self) -> tuple[bytes, dict[str, int]] | None:
         return png_for_display(self)
 
 
@@ -295,10 +297,12 @@ def _draw_modules(dot: graphviz.Digraph, graph: AutogradGraph, depth: int) -> li
             groups.setdefault(".".join(node.module.split(".")[:depth]), []).append(node)
     box_of = {member.id: f"m{number}" for number, members in enumerate(groups.values()) for member in members}
     used = _draw_nodes(dot, graph, loose)
+    saved_bytes = _charged_bytes(loose, groups)
     for number, (path, members) in enumerate(groups.items()):
         style = _module_style(members)
         _use(used, style)
-        dot.node(f"m{number}", _module_label(path, members, graph.module_types), **STYLES[style])
+        label = _module_label(path, members, graph.module_types, saved_bytes[path])
+        dot.node(f"m{number}", label, **STYLES[style])
     boxes = set(box_of.values())
     edges: dict[tuple[str, str], None] = {}  # a dict keeps first-seen order, a set would not
     for src, dst in graph.edges:
@@ -310,6 +314,28 @@ def _draw_modules(dot: graphviz.Digraph, graph: AutogradGraph, depth: int) -> li
     return used
 
 
+def _charged_bytes(loose: list[GraphNode], groups: dict[str, list[GraphNode]]) -> dict[str, int]:
+    """Saved bytes per module box, each memory counted once in the picture: the boxes of nodes
+    outside every module show their own bytes, so their memory is theirs; memory several modules
+    save is counted in the first met from the outputs (the last to use it in forward)."""
+    charged = {_memory(node, s) for node in loose for s in node.saved if s.status == "kept" and s.counted}
+    saved_bytes = {}
+    for path, members in groups.items():
+        total = 0
+        for node in members:
+            for saved in node.saved:
+                memory = _memory(node, saved)
+                if saved.status == "kept" and saved.counted and memory not in charged:
+                    charged.add(memory)
+                    total += saved.storage_nbytes if saved.storage is not None else saved.nbytes
+        saved_bytes[path] = total
+    return saved_bytes
+
+
+def _memory(node: GraphNode, saved: SavedTensor) -> tuple:
+    return ("storage", saved.storage) if saved.storage is not None else (node.id, saved.name)
+
+
 def _module_style(members: list[GraphNode]) -> str:
     if any(node.recomputed for node in members):
         return "module recomputed"
@@ -318,13 +344,13 @@ def _module_style(members: list[GraphNode]) -> str:
     return "module"
 
 
-def _module_label(path: str, members: list[GraphNode], module_types: dict[str, str]) -> str:
+def _module_label(path: str, members: list[GraphNode], module_types: dict[str, str], saved_bytes: int) -> str:
     ops = [node for node in members if node.kind == "op"]
     leaves = [node for node in members if node.kind == "leaf"]
     parameter_bytes = sum(torch.Size(n.shape).numel() * n.dtype.itemsize for n in leaves)
     lines = [f"{path or '(top level)'}: {module_types.get(path, '?')}",
              f"{len(ops)} ops, {len(leaves)} leaves ({bytes_text(parameter_bytes)})",
-             f"saved {bytes_text(distinct_storage_bytes(s for n in ops for s in n.saved))}"]
+             f"saved {bytes_text(saved_bytes)}"]
     dropped = sum(node.dropped_bytes for node in ops)
     if dropped:
         lines.append(f"dropped {bytes_text(dropped)}")

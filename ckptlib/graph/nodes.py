@@ -198,7 +198,7 @@ class AutogradGraph:
 
         return render_svg(self)
 
-    def _repr_png_(self) -> tuple[bytes, dict[str, int]]:
+    def _repr_png_(self) -> tuple[bytes, dict[str, int]] | None:
         from ckptlib.graph.render import png_for_display
 
         return png_for_display(self)

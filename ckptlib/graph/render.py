@@ -16,10 +16,12 @@ instead of ``<NotebookDigraph at 0x...>``. :func:`render_png` asks the system
 system Graphviz the SVG it writes is drawn with matplotlib
 (:mod:`ckptlib.graph.raster`): the same layout, boxes and text. Notebook
 pictures are made at twice the screen's resolution and marked to display at
-their natural size, so they stay sharp on high-density screens.
+their natural size, so they stay sharp on high-density screens; reduced to 32
+colours, they take about the bytes a plain screen-resolution PNG would.
 """
 from __future__ import annotations
 
+import io
 import re
 import shutil
 import struct
@@ -84,14 +86,41 @@ def render_png(dot: Drawable, *, dpi: int = SCREEN_DPI) -> bytes:
     executable = shutil.which("dot")
     if executable is not None:
         return _run_dot(executable, source, "png", "render_png", f"-Gdpi={dpi}")
-    return svg_to_png(_render_with_webassembly(source, "render_png"), dpi=dpi)
+    svg = _render_with_webassembly(source, "render_png")
+    try:
+        return svg_to_png(svg, dpi=dpi)
+    except ImportError:
+        raise RuntimeError("render_png: without the Graphviz program `dot`, a PNG is drawn with matplotlib, "
+                           "which is not installed: pip install matplotlib (or install Graphviz).") from None
 
 
-def png_for_display(dot: Drawable) -> tuple[bytes, dict[str, int]]:
-    """A sharp PNG for a notebook and the size to show it at: ``(png, {"width": .., "height": ..})``."""
-    png = render_png(dot, dpi=DISPLAY_DPI)
+def png_for_display(dot: Drawable) -> tuple[bytes, dict[str, int]] | None:
+    """A sharp, small PNG for a notebook and the size to show it at: ``(png, {"width": .., "height": ..})``.
+
+    ``None`` when no PNG can be drawn here: the cell then shows its SVG alone, and
+    the SVG's own error, if there is one, says what is missing.
+    """
+    try:
+        png = _compact(render_png(dot, dpi=DISPLAY_DPI))
+    except RuntimeError:
+        return None
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk, right after the signature
     return png, {"width": width * SCREEN_DPI // DISPLAY_DPI, "height": height * SCREEN_DPI // DISPLAY_DPI}
+
+
+def _compact(png: bytes) -> bytes:
+    """The same picture in 32 colours, about a third of the bytes (a graph has few colours), when
+    Pillow (which matplotlib brings) is installed; the PNG as it is otherwise."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return png
+    image = Image.open(io.BytesIO(png)).convert("RGBA")
+    flat = Image.new("RGBA", image.size, "white")
+    flat.alpha_composite(image)
+    out = io.BytesIO()
+    flat.convert("RGB").quantize(colors=32).save(out, format="PNG", optimize=True)
+    return out.getvalue()
 
 
 def dot_source(dot: Drawable, caller: str) -> str:

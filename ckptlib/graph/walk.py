@@ -125,7 +125,7 @@ def build_graph(outputs: Any, params: Any, modules: Any, caller: str) -> Autogra
         else:
             module = modules.module_of(fn._sequence_nr()) if modules is not None else None
             saved = tuple(_read_saved(fn, names, storages, leaves))
-            saved = leaves.name_dropped(saved, _leaves_near(fn), module)
+            saved = leaves.name_dropped(saved, fn, module)
             nodes.append(GraphNode(ids[fn], "op", op, saved=saved, module=module))
 
     edge_ids = [(ids[src], ids[dst]) for src, dst in edges]
@@ -296,30 +296,31 @@ class _Leaves:
     def __init__(self, order: list[Any], names: _Names, storages: _StorageIds) -> None:
         self.names, self.storages = names, storages
         self.kind_of_storage: dict[int, str] = {}
-        for fn in order:
-            if hasattr(fn, "variable") and storages.of(fn.variable) is not None:
-                self.kind_of_storage.setdefault(storages.of(fn.variable), _leaf_kind(fn.variable))
-        for _, tensor, kind in names.named:
-            if tensor.is_leaf and storages.of(tensor) is not None:
-                self.kind_of_storage.setdefault(storages.of(tensor), kind)
+        leaves = [(fn.variable, _leaf_kind(fn.variable)) for fn in order if hasattr(fn, "variable")]
+        leaves += [(tensor, kind) for _, tensor, kind in names.named if tensor.is_leaf]
+        for tensor, kind in leaves:
+            storage = storages.of(tensor)
+            if storage is not None:
+                self.kind_of_storage.setdefault(storage, kind)
 
     def leaf(self, tensor: torch.Tensor, kind: str, direct: bool = True) -> _Leaf:
         return _Leaf(self.storages.of(tensor), self.names.of(tensor), kind, tuple(tensor.shape), tensor.dtype,
                      direct)
 
-    def name_dropped(self, saved: tuple[SavedTensor, ...], near: list[tuple[Any, bool]],
-                     module: str | None) -> tuple[SavedTensor, ...]:
-        """``saved`` with each dropped tensor that belongs to a leaf marked as that leaf's."""
-        near_leaves = [self.leaf(fn.variable, _leaf_kind(fn.variable), direct) for fn, direct in near]
+    def name_dropped(self, saved: tuple[SavedTensor, ...], fn: Any, module: str | None) -> tuple[SavedTensor, ...]:
+        """``saved`` (of node ``fn``) with each dropped tensor that belongs to a leaf marked as that leaf's."""
+        unsure = [s for s in saved if s.status in ("dropped", "recomputed") and s.shape is not None
+                  and not s.of_leaf and (not s.frees_memory or s.region == TORCH_CHECKPOINT)]
+        if not unsure:
+            return saved
+        near = [self.leaf(leaf.variable, _leaf_kind(leaf.variable), direct) for leaf, direct in _leaves_near(fn)]
         buffers = [self.leaf(tensor, kind) for name, tensor, kind in self.names.named
                    if kind == "buffer" and (module is None or name.startswith(module + "."))]
         owners = {}
-        for s in saved:
-            if s.status in ("dropped", "recomputed") and s.shape is not None and not s.of_leaf \
-                    and (not s.frees_memory or s.region == TORCH_CHECKPOINT):
-                owner = _owner(s, near_leaves) or _owner(s, buffers, same_name_only=True)
-                if owner is not None:
-                    owners[s.name] = owner
+        for s in unsure:
+            owner = _owner(s, near) or _owner(s, buffers, same_name_only=True)
+            if owner is not None:
+                owners[s.name] = owner
         claims = Counter(owners.values())
         return tuple(
             _as_leafs(s, owners[s.name]) if s.name in owners and claims[owners[s.name]] == 1 else s
