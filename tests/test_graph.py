@@ -788,7 +788,7 @@ def test_side_by_side_keeps_one_scale_and_fits():
 
 @pytest.mark.browser
 def test_side_by_side_in_chromium_at_1100_px(tmp_path):
-    from tests.browser.conftest import CHROMIUM_FLAGS, require_browser
+    from tests.browser.conftest import ARTIFACTS, CHROMIUM_FLAGS, require_browser
 
     chromium = require_browser()
     from playwright.sync_api import sync_playwright
@@ -808,6 +808,8 @@ def test_side_by_side_in_chromium_at_1100_px(tmp_path):
                 const box = img.getBoundingClientRect(), title = img.previousElementSibling.getBoundingClientRect();
                 return {scale: box.width / img.naturalWidth, right: box.right, top: box.top, titleBottom: title.bottom};
             })""")
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.locator("#out").screenshot(path=str(ARTIFACTS / "graph_side_by_side_1100px.png"))
         finally:
             browser.close()
     assert len(shown) == 2

@@ -110,9 +110,11 @@ def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, 
     saved tensors orange.
 
     Saved tensors hang off their node (dashed edges, labelled with the attribute
-    name); a saved leaf points at the leaf itself. Tensors a checkpoint dropped
-    are dashed white boxes (plum once recomputed) inside a dashed box for their
-    checkpoint region. ``collapse="module"`` draws each submodule, cut at
+    name); a saved leaf points at the leaf itself (a pale box "leaf, not counted"
+    when no node stands for it). Tensors a checkpoint dropped are dashed white
+    boxes (plum once recomputed) inside a dashed box for their checkpoint region;
+    a grey border marks those whose dropping frees nothing. The caption's totals
+    add exactly the boxes that say they are counted. ``collapse="module"`` draws each submodule, cut at
     ``depth`` path components (``blocks.3.attn`` -> ``blocks.3``), as one box
     with its op count and bytes; this needs a graph built with ``modules=``.
 
