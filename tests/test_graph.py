@@ -2,7 +2,10 @@
 with and without a system `dot`."""
 from __future__ import annotations
 
+import base64
 import gc
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -16,8 +19,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckptlib import checkpoint, record_trace
 from ckptlib.graph import (
-    NO_RENDERER, TORCH_CHECKPOINT, AutogradGraph, NotebookDigraph, SideBySide, autograd_graph,
-    render_svg, to_dot, torchviz_dot, trace_modules,
+    NO_RENDERER, STATUSES, TORCH_CHECKPOINT, AutogradGraph, NotebookDigraph, SideBySide, autograd_graph,
+    render_png, render_svg, to_dot, torchviz_dot, trace_modules, with_statuses,
 )
 
 
@@ -480,4 +483,384 @@ def test_torchviz_beside_ckptlib_without_system_dot(no_system_dot):
     assert "weight" in made.source and "lightblue" in made.source
     assert_svg(made._repr_mimebundle_()["image/svg+xml"])
     page = SideBySide(made, autograd_graph(y, params=model), titles=["torchviz", "ckptlib"])._repr_html_()
-    assert page.count("<svg") == 2 and "<?xml" not in page and "<b>ckptlib</b>" in page
+    # Pictures are <img> data URIs (they survive JupyterLab's cleaning of untrusted HTML; <svg> does not).
+    pictures = [base64.b64decode(data).decode() for data in re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', page)]
+    assert len(pictures) == 2 and "<svg" not in page and ">ckptlib</div>" in page
+    for svg in pictures:
+        assert_svg(svg)
+
+
+# ---------------------------------------------------------------------------
+# pictures that tell the truth: what is drawn is what is counted
+# ---------------------------------------------------------------------------
+
+BYTES = re.compile(r"^([\d.]+) (B|KiB|MiB)", re.MULTILINE)
+
+
+def boxes(dot) -> dict[str, tuple[str, str]]:
+    """Saved-tensor boxes of a DOT drawing: id -> (label, attributes), legend and nodes left out."""
+    found = {}
+    for entry in dot.body:
+        match = re.match(r'\s*"(n\d+\.[^"]+)" \[label="((?:[^"\\]|\\.)*)"(.*)\]\s*$', entry, re.DOTALL)
+        if match:
+            found[match.group(1)] = (match.group(2), match.group(3))
+    return found
+
+
+def label_bytes(label: str) -> int:
+    size, unit = BYTES.search(label).groups()
+    return round(float(size) * {"B": 1, "KiB": 1024, "MiB": 1024 ** 2}[unit])
+
+
+def checkpointed_mlp(mode: str = "block", depth: int = 3) -> tuple[nn.Module, AutogradGraph]:
+    from ckptlib.models import MLPChain
+
+    model = MLPChain(depth=depth, width=8, checkpointing=mode)
+    return model, autograd_graph(model.loss(model.example_batch(batch=4)), params=model)
+
+
+def test_a_saved_leaf_outside_the_graph_is_drawn_as_a_leaf_and_not_counted():
+    # Notebook 01: x needs no grad, so no leaf node stands for it, yet mm saves it.
+    x = torch.randn(4, 3)
+    w = torch.randn(3, 2, requires_grad=True)
+    b = torch.randn(2, requires_grad=True)
+    graph = autograd_graph((torch.tanh(x @ w + b) ** 2).mean(), params={"w": w, "b": b, "x": x})
+    mm = next(n for n in graph.nodes if n.op == "MmBackward0")
+    assert (mm.saved[0].tensor_name, mm.saved[0].of_leaf, mm.saved[0].leaf_kind) == ("x", True, "leaf")
+    label, attributes = boxes(to_dot(graph))[f"{mm.id}.self"]
+    assert label.splitlines() == ["x", "(4, 3) float32", "48 B", "leaf, not counted"]
+    assert "fillcolor=aliceblue" in attributes and "dashed" in attributes
+    assert "(leaf, not counted)" in str(graph)
+    assert graph.saved_bytes == 32  # tanh's result, saved by tanh and pow: one box, 32 B
+
+
+@pytest.mark.parametrize("case", ["plain", "named views", "block", "sqrt", "torch", "recomputed"])
+def test_box_bytes_add_up_to_the_caption(case):
+    if case == "plain":
+        x = torch.randn(4, 3)
+        w = torch.randn(3, 2, requires_grad=True)
+        graph = autograd_graph(torch.tanh(x @ w).exp().sum(), params={"w": w, "x": x})
+    elif case == "named views":
+        linear = nn.Linear(3, 4)
+        graph = autograd_graph(linear(torch.randn(2, 3, requires_grad=True)).sin().sum(), params=linear)
+    elif case == "recomputed":
+        model, _ = checkpointed_mlp("block")
+        loss = model.loss(model.example_batch(batch=4))
+        loss.backward(retain_graph=True)
+        graph = autograd_graph(loss, params=model)
+    else:
+        _, graph = checkpointed_mlp(case, depth=4)
+    dot = to_dot(graph)
+    counted_kept = counted_dropped = 0
+    for label, attributes in boxes(dot).values():
+        last = label.splitlines()[-1]
+        if "fillcolor=orange" in attributes:
+            counted_kept += label_bytes(label)
+        elif "color=darkorange" in attributes:  # dropped (white) or recomputed (plum), counted
+            assert last in ("dropped", "recomputed")
+            counted_dropped += label_bytes(label)
+        else:  # everything else says why its bytes are not in the caption
+            assert last.endswith("not counted") or last.endswith(", kept") or last in (
+                "frees nothing", "freed", "modified"), label
+    assert (counted_kept, counted_dropped) == (graph.saved_bytes, graph.dropped_bytes)
+    assert (f"saved by autograd: {graph.saved_bytes} B; dropped by checkpoints: {graph.dropped_bytes} B"
+            in dot.source.replace("1.0 KiB", "1024 B"))
+
+
+def test_a_view_of_a_larger_storage_says_what_the_caption_counts():
+    x = torch.randn(4, 3)
+    w = torch.randn(3, 6, requires_grad=True)
+    q, k = (x @ w).chunk(2, dim=-1)
+    graph = autograd_graph((q * k).sum(), params={"w": w, "x": x})
+    labels = [label for label, _ in boxes(to_dot(graph)).values()]
+    assert sorted(label.splitlines()[-1] for label in labels) == ["48 B of a 96 B storage"] * 2 + [
+        "leaf, not counted"]  # q and k, and the input x
+    assert graph.saved_bytes == 96
+    assert "(of a 96 B storage)" in str(graph)
+
+
+def test_a_dropped_input_looks_different_from_a_dropped_activation():
+    x = torch.randn(4, requires_grad=True)
+    loss = checkpoint(lambda t: t.sin().exp(), x * 2).sum()
+    graph = autograd_graph(loss)
+    sin = next(n for n in graph.nodes if n.op == "SinBackward0")
+    exp = next(n for n in graph.nodes if n.op == "ExpBackward0")
+    assert (sin.saved[0].frees_memory, exp.saved[0].frees_memory) == (False, True)
+    drawn = boxes(to_dot(graph))
+    sin_label, sin_style = drawn[f"{sin.id}.self"]
+    exp_label, exp_style = drawn[f"{exp.id}.result"]
+    assert sin_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey60" in sin_style
+    assert exp_label.splitlines()[-1] == "dropped" and "color=darkorange" in exp_style
+    assert "frees nothing" in LEGEND_TEXT(to_dot(graph))
+    assert "(dropped by checkpoint" in str(graph) and ", frees nothing)" in str(graph)
+
+    loss.backward(retain_graph=True)
+    drawn = boxes(to_dot(autograd_graph(loss)))
+    # Recomputed: both plum (the state), but only the activation has the orange "counted" border.
+    assert "fillcolor=plum" in drawn[f"{sin.id}.self"][1] and "color=grey60" in drawn[f"{sin.id}.self"][1]
+    assert "fillcolor=plum" in drawn[f"{exp.id}.result"][1] and "color=darkorange" in drawn[f"{exp.id}.result"][1]
+
+
+def LEGEND_TEXT(dot) -> str:
+    return "\n".join(line for line in dot.body if "legend." in line)
+
+
+@pytest.mark.parametrize("mode", ["block", "torch"])
+def test_parameters_inside_a_checkpoint_are_drawn_as_the_parameter(mode):
+    model, graph = checkpointed_mlp(mode)
+    addmms = [n for n in graph.nodes if n.op == "AddmmBackward0"]
+    named = {s.tensor_name: s for n in addmms for s in n.saved if s.name == "mat2"}
+    # The first block's input needs no grad, so its addmm saves no weight.
+    assert set(named) == {"view of blocks.1.0.weight", "view of blocks.2.0.weight"}
+    for saved in named.values():
+        assert (saved.status, saved.of_leaf, saved.leaf_kind, saved.frees_memory) == (
+            "dropped", True, "parameter", False)
+    assert "= view of blocks.1.0.weight (parameter, kept)" in str(graph)
+    # Drawn as an edge to the weight's own node, never as a "dropped" box.
+    dot = to_dot(graph)
+    weight = next(n.id for n in graph.nodes if n.name == "blocks.1.0.weight")
+    assert any(re.match(rf"\s*n\d+ -> {weight} \[label=mat2 ", line) for line in dot.body)
+    assert not any(box.endswith(".mat2") for box in boxes(dot))
+    # Each block drops its relu output and the next block's input (counted once each, 128 B);
+    # ckptlib knows its own inputs free nothing, torch's checkpoint does not say.
+    assert graph.dropped_bytes == (3 if mode == "block" else 6) * 128
+
+
+def test_layer_norm_parameters_in_a_checkpoint_are_told_apart_by_name():
+    ln = nn.LayerNorm(4)
+    x = torch.randn(2, 4, requires_grad=True)
+    graph = autograd_graph(checkpoint(ln, x * 1).sum(), params=ln)
+    saved = {s.name: s for n in graph.nodes for s in n.saved if n.op == "NativeLayerNormBackward0"}
+    assert (saved["weight"].tensor_name, saved["bias"].tensor_name) == ("weight", "bias")
+    assert saved["weight"].leaf_kind == saved["bias"].leaf_kind == "parameter"
+    assert not saved["input"].of_leaf  # the checkpoint's input: dropping it frees nothing
+    # Without names, weight and bias fit either leaf: neither is guessed.
+    unnamed = autograd_graph(checkpoint(ln, x * 1).sum())
+    assert not any(s.of_leaf for n in unnamed.nodes for s in n.saved)
+
+
+def test_two_saved_tensors_that_fit_one_leaf_are_not_guessed():
+    w = nn.Parameter(torch.randn(4))
+    x = torch.randn(4, requires_grad=True)
+    graph = autograd_graph(checkpoint(lambda t: t * w, x * 1).sum(), params={"w": w})
+    mul = next(n for n in graph.nodes if n.saved and n.region is not None)
+    assert [(s.name, s.of_leaf, s.frees_memory) for s in mul.saved] == [("other", False, False),
+                                                                       ("self", False, False)]
+
+
+def test_batch_norm_buffers_in_a_checkpoint_are_named_as_buffers():
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.ReLU())
+    with trace_modules(model) as modules:
+        loss = checkpoint(model, torch.randn(4, 6, requires_grad=True)).sum()
+    graph = autograd_graph(loss, modules=modules)
+    bn = next(n for n in graph.nodes if n.op == "NativeBatchNormBackward0")
+    saved = {s.name: s for s in bn.saved}
+    for buffer in ("running_mean", "running_var"):
+        assert (saved[buffer].tensor_name, saved[buffer].leaf_kind) == (f"1.{buffer}", "buffer")
+    assert (saved["weight"].tensor_name, saved["weight"].leaf_kind) == ("1.weight", "parameter")
+    labels = {box: label for box, (label, _) in boxes(to_dot(graph)).items()}
+    assert labels[f"{bn.id}.running_mean"].splitlines() == ["1.running_mean", "(6,) float32", "24 B",
+                                                             "buffer, kept"]
+
+
+def test_text_view_sizes_the_op_column_to_the_longest_name():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    text = str(autograd_graph(model(torch.randn(3, 4)).sum(), params=model))
+    lines = [line for line in text.splitlines() if " saves " in line]
+    assert any("NativeBatchNormBackward0  saves" in line for line in lines)
+    assert len({line.index(" saves ") for line in lines}) == 1  # one column for every "saves"
+    # Short graphs keep the 22-character column they always had.
+    x = torch.randn(3, requires_grad=True)
+    assert str(autograd_graph(x.exp())).splitlines()[1] == "n0    ExpBackward0          saves result (3,) float32 12 B"
+
+
+# ---------------------------------------------------------------------------
+# one graph, many moments: with_statuses (for a step-by-step replay)
+# ---------------------------------------------------------------------------
+
+
+def test_with_statuses_redraws_each_state_and_keeps_the_original():
+    _, graph = checkpointed_mlp("block")
+    relu = next(n for n in graph.nodes if n.op == "ReluBackward0" and n.region is not None)
+    expected_fill = {"kept": "orange", "dropped": "white", "recomputed": "plum", "freed": "white",
+                     "modified": "tomato"}
+    for status in STATUSES:
+        moment = with_statuses(graph, {(relu.id, "result"): status})
+        assert moment[relu.id].saved[0].status == status
+        label, attributes = boxes(to_dot(moment))[f"{relu.id}.result"]
+        assert f"fillcolor={expected_fill[status]}" in attributes
+        assert (label.splitlines()[-1] == status) == (status != "kept")
+        render_svg(to_dot(moment))
+    assert relu.saved[0].status == "dropped"  # the graph itself is unchanged
+    assert graph[relu.id] is relu
+
+
+def test_a_box_two_nodes_share_shows_the_most_alive_state():
+    x = torch.randn(3, requires_grad=True)
+    graph = autograd_graph(x.exp().sin(), params={"x": x})  # exp's result is sin's input
+    freed_once = with_statuses(graph, {("n0", "self"): "freed"})
+    label, attributes = boxes(to_dot(freed_once))["n0.self"]
+    assert "fillcolor=orange" in attributes  # exp still holds the memory
+    assert 'n0 -> "n0.self" [label=self arrowhead=none color=grey60' in to_dot(freed_once).source
+    both = with_statuses(graph, {("n0", "self"): "freed", ("n1", "result"): "freed"})
+    assert "style=\"filled,dotted\"" in boxes(to_dot(both))["n0.self"][1]
+    assert both.saved_bytes == 0 and freed_once.saved_bytes == 12
+
+
+def test_redrawing_a_replayed_graph_is_fast_enough_for_a_slider():
+    import time
+
+    _, graph = checkpointed_mlp("block")
+    saved = [(n.id, s.name) for n in graph.nodes for s in n.saved]
+    render_svg(to_dot(graph))  # first call pays for starting Graphviz
+    start = time.perf_counter()
+    for step in range(10):
+        render_svg(to_dot(with_statuses(graph, {key: "recomputed" for key in saved[:step]})))
+    per_redraw_s = (time.perf_counter() - start) / 10
+    assert per_redraw_s < 0.5, f"{per_redraw_s * 1000:.0f} ms per redraw"
+
+
+# ---------------------------------------------------------------------------
+# outputs that show everywhere: PNG beside SVG, meaningful text, one scale side by side
+# ---------------------------------------------------------------------------
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import struct
+
+    return struct.unpack(">II", png[16:24])
+
+
+def orange_pixels(png: bytes) -> int:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    r, g, b = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int).transpose(2, 0, 1)
+    return int(((r > 240) & (g > 150) & (g < 180) & (b < 30)).sum())  # Graphviz's "orange"
+
+
+@pytest.mark.parametrize("system_dot", [True, False])
+def test_render_png_is_the_picture_with_and_without_system_dot(system_dot, monkeypatch, tmp_path):
+    if system_dot and shutil.which("dot") is None:
+        pytest.skip("no system Graphviz `dot` on PATH")
+    if not system_dot:
+        monkeypatch.setenv("PATH", str(tmp_path))
+    graph = small_graph()
+    svg = render_svg(graph)
+    width_pt = float(re.search(r'<svg width="([\d.]+)pt"', svg).group(1))
+    png = render_png(graph)
+    width, height = png_size(png)
+    assert abs(width - width_pt * 96 / 72) <= 3  # the SVG's size, at 96 dpi
+    assert orange_pixels(render_png(to_dot(autograd_graph(torch.randn(3, requires_grad=True).exp())))) > 100
+    assert png_size(render_png(graph, dpi=192))[0] == pytest.approx(2 * width, abs=4)
+
+
+def test_graph_outputs_show_as_pictures_and_text_without_svg():
+    from IPython.core.formatters import DisplayFormatter
+
+    formatter = DisplayFormatter()
+    graph = small_graph()
+    for value in (graph, to_dot(graph), torchviz_dot(graph_tensor := torch.randn(2, requires_grad=True).exp())):
+        data, metadata = formatter.format(value)
+        assert {"image/svg+xml", "image/png", "text/plain"} <= set(data), type(value)
+        width, height = png_size(data["image/png"])
+        assert metadata["image/png"] == {"width": width // 2, "height": height // 2}  # sharp, natural size
+        assert " at 0x" not in data["text/plain"]
+    assert formatter.format(to_dot(graph))[0]["text/plain"].startswith("NotebookDigraph(4 autograd nodes; saved by autograd: 8 B")
+    assert repr(torchviz_dot(graph_tensor)) == "NotebookDigraph(torchviz make_dot, 4 boxes)"
+    side = SideBySide(graph, to_dot(graph), titles=["a"])
+    assert repr(side) == "SideBySide('a', graph #1)"
+
+
+def test_side_by_side_keeps_one_scale_and_fits():
+    wide = checkpointed_mlp("block", depth=4)[1]
+    narrow = "digraph { a -> b }"
+    page = SideBySide(narrow, wide, titles=["narrow", "wide"])._repr_html_()
+    cells = re.findall(r'width: ([\d.]+)%;.*?max-width: ([\d.]+)px', page)
+    (share_a, natural_a), (share_b, natural_b) = [(float(s), float(n)) for s, n in cells]
+    assert share_a / share_b == pytest.approx(natural_a / natural_b, rel=1e-2)  # one scale
+    assert share_a + share_b + 2.0 <= 100  # both fit in the row with the gap
+    assert page.index(">narrow</div>") < page.index("<img") < page.index(">wide</div>")  # titles above
+
+
+@pytest.mark.browser
+def test_side_by_side_in_chromium_at_1100_px(tmp_path):
+    from tests.browser.conftest import ARTIFACTS, CHROMIUM_FLAGS, require_browser
+
+    chromium = require_browser()
+    from playwright.sync_api import sync_playwright
+
+    model, _ = checkpointed_mlp("sqrt", depth=4)
+    loss = model.loss(model.example_batch(batch=4))
+    page_html = SideBySide(torchviz_dot(loss, params=model), autograd_graph(loss, params=model),
+                           titles=["torchviz", "ckptlib"])._repr_html_()
+    (tmp_path / "page.html").write_text(f"<div id=out style='width: 1100px'>{page_html}</div>")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.goto((tmp_path / "page.html").as_uri())
+            page.wait_for_function("Array.from(document.images).every(img => img.complete)")
+            shown = page.evaluate("""() => Array.from(document.images).map(img => {
+                const box = img.getBoundingClientRect(), title = img.previousElementSibling.getBoundingClientRect();
+                return {scale: box.width / img.naturalWidth, right: box.right, top: box.top, titleBottom: title.bottom};
+            })""")
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.locator("#out").screenshot(path=str(ARTIFACTS / "graph_side_by_side_1100px.png"))
+        finally:
+            browser.close()
+    assert len(shown) == 2
+    assert shown[0]["scale"] == pytest.approx(shown[1]["scale"], rel=0.01)
+    assert all(item["right"] <= 1100 + 8 for item in shown)  # nothing past the 1100 px row
+    assert all(item["titleBottom"] <= item["top"] for item in shown)  # each title above its graph
+
+
+def test_without_matplotlib_or_system_dot_the_png_is_left_out(no_system_dot, monkeypatch):
+    from IPython.core.formatters import DisplayFormatter
+
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # `import` now fails
+    graph = small_graph()
+    with pytest.raises(RuntimeError, match="pip install matplotlib"):
+        render_png(graph)
+    data, _ = DisplayFormatter().format(graph)
+    assert "image/png" not in data and "image/svg+xml" in data  # the SVG still shows
+
+
+def test_notebook_pngs_are_compact_and_keep_their_size(monkeypatch):
+    from ckptlib.graph.render import png_for_display
+
+    graph = checkpointed_mlp("sqrt", depth=4)[1]
+    png, size = png_for_display(graph)
+    raw = render_png(graph, dpi=192)
+    assert png_size(png) == png_size(raw) and size["width"] == png_size(raw)[0] // 2
+    assert len(png) < len(raw) / 2
+    monkeypatch.setitem(sys.modules, "PIL", None)  # without Pillow: the PNG as Graphviz made it
+    assert png_for_display(graph)[0] == raw
+
+
+@pytest.mark.parametrize("checkpoint_every", [0, 2])
+def test_collapsed_module_boxes_add_up_to_the_caption(checkpoint_every):
+    torch.manual_seed(0)
+    model = TinyTransformer(depth=4, checkpoint_every=checkpoint_every)
+    with trace_modules(model) as modules:
+        loss = model(torch.randint(0, 16, (2, 5))).logsumexp(-1).mean()
+    graph = autograd_graph(loss, modules=modules)
+    dot = to_dot(graph, collapse="module")
+    saved = dropped = rounded = 0
+    for entry in dot.body:
+        label = re.search(r'label="((?:[^"\\]|\\.)*)"', entry)
+        if label is None or "legend" in entry:
+            continue
+        text = label.group(1)
+        rounded += text.count("KiB")  # printed to 0.1 KiB: within 52 B
+        if "shape=box3d" in entry:  # a module: "saved X" and perhaps "dropped Y"
+            for kind, size in re.findall(r"^(saved|dropped) (.+)$", text, re.MULTILINE):
+                amount = label_bytes(size)
+                saved, dropped = (saved + amount, dropped) if kind == "saved" else (saved, dropped + amount)
+        elif "fillcolor=orange" in entry:
+            saved += label_bytes(text.splitlines()[-1])
+    assert saved == pytest.approx(graph.saved_bytes, abs=52 * rounded)
+    assert dropped == pytest.approx(graph.dropped_bytes, abs=52 * rounded)
