@@ -46,6 +46,8 @@ _PUBLIC = {
     "autograd_graph": "graph",
     "to_dot": "graph",
     "render_svg": "graph",
+    "render_png": "graph",
+    "with_statuses": "graph",
     "trace_modules": "graph",
     "MLPChain": "models",
     "TinyTransformer": "models",
