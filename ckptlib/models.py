@@ -297,9 +297,9 @@ class TinyTransformer(_DemoModel):
     def __init__(self, depth: int = 4, d_model: int = 128, heads: int = 4, seq: int = 64, vocab: int = 256,
                  *, checkpointing: Checkpointing = "none", dropout: float = 0.0, seed: int = 0) -> None:
         super().__init__(checkpointing)
-        depth, d_model, heads, seq, vocab = (
-            integer(value, name, least=1, where="TinyTransformer")
-            for value, name in ((depth, "depth"), (d_model, "d_model"), (heads, "heads"), (seq, "seq"), (vocab, "vocab")))
+        sizes = {"depth": depth, "d_model": d_model, "heads": heads, "seq": seq, "vocab": vocab}
+        depth, d_model, heads, seq, vocab = (integer(value, name, least=1, where="TinyTransformer")
+                                             for name, value in sizes.items())
         if d_model % heads:
             raise ValueError(f"TinyTransformer: d_model={d_model} must be divisible by heads={heads} "
                              "(each head gets d_model // heads features).")

@@ -20,10 +20,9 @@ which runs before reveal.js starts: a code or output block with lines too long f
 gets a smaller font (down to 13 px from 19), then wraps; a slide a little too tall is shrunk
 (to 85% at most); a taller one is split between cells into vertical slides headed
 "... (continued)", so a presenter only ever presses "next" (right arrow or space: the decks
-navigate linearly) and nothing is below the fold. Only a
-single cell taller than the canvas by itself scrolls (shrunk to 60% first), and then each
-fragment scrolls into view as it appears. The slides index lists the notebooks by title in
-course order, each with its solutions.
+navigate linearly) and nothing is below the fold. Only a single cell taller than the canvas by
+itself scrolls (shrunk to 60% first), and then each fragment scrolls into view as it appears.
+The slides index lists the notebooks by title in course order, each with its solutions.
 
 Widgets. A page has no kernel, so a widget output can only be the snapshot of its saved state.
 Each one gets a visible note saying so and where to run it; one whose saved state is
@@ -293,10 +292,12 @@ def slides_index(pages: Pages, titles: dict[PurePosixPath, str]) -> str:
     course = sorted(document for document in pages if document.parent.name != "solutions")
     items = []
     for notebook in course:
-        item = f'<li><a href="{html.escape(pages[notebook].as_posix())}">{html.escape(titles.get(notebook, notebook.stem))}</a>'
+        title = html.escape(titles.get(notebook, notebook.stem))
+        item = f'<li><a href="{html.escape(pages[notebook].as_posix())}">{title}</a>'
         solution = notebook.parent / "solutions" / f"{notebook.stem}_solutions.ipynb"
         if solution in pages:
-            item += f' <span class="solutions">· <a href="{html.escape(pages[solution].as_posix())}">solutions</a></span>'
+            link = html.escape(pages[solution].as_posix())
+            item += f' <span class="solutions">· <a href="{link}">solutions</a></span>'
         items.append(item + "</li>")
     readme = ROOT / "README.md"
     course_title = _title(readme.read_text(encoding="utf-8")) if readme.exists() else ""
@@ -374,8 +375,9 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
     >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output(
     ...     "display_data", data={WIDGET_VIEW: {"model_id": "a1"}, "text/plain": "Slider(value=3)"})])])
     >>> nb = static_widgets(nb, PurePosixPath("notebooks/00_x.ipynb"))
-    >>> print(nb.cells[0].outputs[0].data["text/plain"])
-    Interactive widget Slider(value=3): its state was not saved with this page. Run it in JupyterLab: make lab, then open notebooks/00_x.ipynb.
+    >>> print(nb.cells[0].outputs[0].data["text/plain"])  # doctest: +NORMALIZE_WHITESPACE
+    Interactive widget Slider(value=3): its state was not saved with this page.
+    Run it in JupyterLab: make lab, then open notebooks/00_x.ipynb.
     >>> "widgets" in nb.metadata
     False
     """

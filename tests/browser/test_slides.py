@@ -130,7 +130,8 @@ def test_a_widget_is_a_labelled_snapshot(notebook, decks, page, artifacts):
     reveal_js = open_deck(page, decks, notebook, [], [])
     assert page.locator(".course-widget-note").count() >= 1, "no note on the widget"
     note = page.locator(".course-widget-note").first
-    page.evaluate("([url, note]) => { const Reveal = require(url); const at = Reveal.getIndices(note.closest('section'));"
+    page.evaluate("([url, note]) => { const Reveal = require(url);"
+                  " const at = Reveal.getIndices(note.closest('section'));"
                   " Reveal.slide(at.h, at.v); while (Reveal.nextFragment()) {} }",
                   [reveal_js, note.element_handle()])
     page.wait_for_timeout(500)
