@@ -59,7 +59,7 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 import torch.nn as nn
@@ -67,6 +67,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from ckptlib._arguments import function, got, integer
 from ckptlib.checkpoint import CheckpointTrace, is_recomputing, peek_saved, record_trace
 from ckptlib.memory import format_bytes
 
@@ -128,7 +129,13 @@ class SavedTensorsReport:
     """
 
     def __init__(self, rows: Sequence[SavedTensor] = ()) -> None:
+        if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
+            raise TypeError(f"SavedTensorsReport: rows must be a list of SavedTensor rows, {got(rows)}.")
         self.rows: list[SavedTensor] = list(rows)
+        for position, row in enumerate(self.rows):
+            if not isinstance(row, SavedTensor):
+                raise TypeError(f"SavedTensorsReport: rows must be SavedTensor rows (as saved_tensors_report "
+                                f"makes them), but rows[{position}] is {got(row)[4:]}.")
 
     def _storages(self, status: str) -> dict[str, int]:
         """Storages of activations (not parameters or buffers) with a save of this status -> bytes."""
@@ -156,6 +163,8 @@ class SavedTensorsReport:
 
         A storage counts for the module whose save of it came first.
         """
+        if depth is not None:
+            integer(depth, "depth", least=1, where="by_module")
         owner: dict[str, str] = {}
         saves: dict[str, int] = {}
         for row in self.rows:
@@ -453,8 +462,11 @@ class _Recorder(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def record_saved() -> Iterator[SavedTensorsReport]:
+def record_saved(model: nn.Module | None = None) -> Iterator[SavedTensorsReport]:
     """Record every tensor autograd saves inside the block; the report fills when it ends.
+
+    ``model``: mark all its parameters and buffers as such, also where code outside their own
+    module's ``forward`` uses them (module hooks find the others).
 
     >>> import torch
     >>> from ckptlib.models import MLPChain
@@ -472,9 +484,12 @@ def record_saved() -> Iterator[SavedTensorsReport]:
     activations kept: 384 B in 3 storages
     parameters and buffers saved: 256 B (not counted: they live anyway)
     """
+    _check_model(model, "record_saved")
     report = SavedTensorsReport()
     with record_trace() as trace:
         recorder = _Recorder(trace)
+        if model is not None:
+            recorder.state.update(_state_storages(model, recurse=True))
         pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.enter_module)
         post = torch.nn.modules.module.register_module_forward_hook(recorder.leave_module, always_call=True)
         try:
@@ -496,8 +511,10 @@ def saved_tensors_report(outputs_or_fn: Outputs | Callable[[], Any], model: nn.M
     """What autograd saved: for a function (run under :func:`record_saved`, with modules and
     functions named) or for the graph behind existing output tensors (walked node by node).
 
-    ``model``, for a walk: mark its parameters and buffers as such (a graph does not know
-    them; a recorded function finds them through the module hooks).
+    ``outputs_or_fn``: a function to run with no arguments (``lambda: model(x)``), or a tensor
+    or a list, tuple or dict of tensors (what a forward returned). ``model``: mark its
+    parameters and buffers as such (a graph does not know them; a recorded function finds
+    most of them through the module hooks).
 
     >>> import torch
     >>> from ckptlib import checkpoint
@@ -508,12 +525,30 @@ def saved_tensors_report(outputs_or_fn: Outputs | Callable[[], Any], model: nn.M
     >>> report.kept_bytes, report.dropped_bytes   # x is kept; sin's output was dropped
     (128, 128)
     """
+    _check_model(model, "saved_tensors_report")
+    accepts = ("a function to run with no arguments (saved_tensors_report(lambda: model(x))), or the "
+               "output tensor(s) of a forward pass (a tensor, or a list, tuple or dict of tensors)")
+    if isinstance(outputs_or_fn, nn.Module):
+        raise TypeError(f"saved_tensors_report: outputs_or_fn is the module {type(outputs_or_fn).__name__} "
+                        f"itself; it must be {accepts}.")
     if callable(outputs_or_fn) and not isinstance(outputs_or_fn, torch.Tensor):
-        with record_saved() as report:
+        function(outputs_or_fn, "outputs_or_fn", takes=0, accepts=accepts, where="saved_tensors_report")
+        with record_saved(model) as report:
             outputs = outputs_or_fn()
         del outputs  # the graph had to live until the block ended; the rows keep no tensors
         return report
+    leaves, _ = tree_flatten(outputs_or_fn)
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        error = ValueError if isinstance(outputs_or_fn, (list, tuple, dict)) else TypeError
+        raise error(f"saved_tensors_report: outputs_or_fn must be {accepts}; {got(outputs_or_fn)}, "
+                    "which holds no tensor.")
     return _walk_report(_grad_fns(outputs_or_fn), _state_storages(model, recurse=True) if model is not None else {})
+
+
+def _check_model(model: Any, where: str) -> None:
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"{where}: model must be an nn.Module (its parameters and buffers are marked as such) "
+                        f"or None, {got(model)}.")
 
 
 def _walk_report(roots: Sequence[Any], state: dict[StorageWeakRef, str]) -> SavedTensorsReport:

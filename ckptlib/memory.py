@@ -65,6 +65,8 @@ each resets the device's one peak counter, so an outer one would lose its peak.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -74,6 +76,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ckptlib._arguments import flag, function, got
 from ckptlib.checkpoint import is_recomputing
 
 __all__ = ["MemoryMeter", "MemoryReport", "TimelineEntry", "measure", "format_bytes"]
@@ -85,9 +88,13 @@ PHASES = ("forward", "backward", "recompute")
 def format_bytes(nbytes: float) -> str:
     """``1536 -> '1.50 KiB'``: bytes in binary units, for tables and reports.
 
-    >>> format_bytes(512), format_bytes(3 * 2**20)
-    ('512 B', '3.00 MiB')
+    >>> format_bytes(512), format_bytes(3 * 2**20), format_bytes(float("nan"))
+    ('512 B', '3.00 MiB', 'nan B')
     """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real):
+        raise TypeError(f"format_bytes: nbytes must be a number of bytes (int or float), {got(nbytes)}.")
+    if not math.isfinite(nbytes):
+        return f"{nbytes} B"  # a table cell that says what it is, rather than a crash
     units = ("B", "KiB", "MiB", "GiB")
     power = 0
     while abs(nbytes) >= 1024 and power < len(units) - 1:
@@ -193,6 +200,13 @@ class MemoryMeter:
     def __init__(self, device: torch.device | str | None = None, *, backend: str = "auto",
                  timeline: bool = True, on_op: Callable[[TimelineEntry], None] | None = None) -> None:
         self.device = _normalised(device)
+        self.record_timeline = flag(timeline, "timeline", where="MemoryMeter")
+        if on_op is not None:
+            function(on_op, "on_op", takes=1, where="MemoryMeter",
+                     accepts="a function called with each TimelineEntry, or None")
+            if not timeline:
+                raise ValueError("MemoryMeter: on_op is called with each timeline entry, but timeline=False "
+                                 "records none; pass timeline=True, or leave on_op out.")
         if backend == "auto":
             backend = "allocator" if self.device is not None and self.device.type == "cuda" else "tensors"
         if backend not in BACKENDS:
@@ -202,7 +216,6 @@ class MemoryMeter:
             raise ValueError(f"backend='allocator' reads the CUDA caching allocator, but device={device!r}; "
                              "pass device='cuda', or use backend='tensors' to count tensors on any device.")
         self.backend = backend
-        self.record_timeline = timeline
         self.on_op = on_op
         self.timeline: list[TimelineEntry] = []
         self._lock = threading.Lock()
@@ -328,13 +341,33 @@ class MemoryMeter:
             self._live -= nbytes
 
 
-def _normalised(device: torch.device | str | None) -> torch.device | None:
-    """``"cuda"`` -> ``cuda:<current>``, so a tensor's device compares equal to it."""
+def _normalised(device: torch.device | str | int | None) -> torch.device | None:
+    """``"cuda"`` -> ``cuda:<current>``, so a tensor's device compares equal to it.
+
+    A CUDA device this machine does not have is refused: the allocator could not be read,
+    and a tensor meter would count nothing at all.
+    """
     if device is None:
         return None
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
+    accepts = "a torch.device, a string such as 'cpu', 'cuda' or 'cuda:0', or None (count every device)"
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device must be {accepts}, {got(device)}.")
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        reason = str(error).splitlines()[0]
+        raise ValueError(f"device={device!r} is not a device torch knows ({reason}); "
+                         f"device must be {accepts}.") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={str(device)!r}, but CUDA is not available on this machine "
+                             "(torch.cuda.is_available() is False); measure on 'cpu', or pass device=None.")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= count:
+            raise ValueError(f"device={str(device)!r}, but this machine has {count} CUDA device"
+                             f"{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1}).")
     return device
 
 
@@ -347,6 +380,9 @@ def measure(fn: Callable[[], Any], *, device: torch.device | str | None = None, 
     >>> measure(lambda: x.exp().sum()).peak_bytes     # 4000 bytes for exp, 4 for the sum
     4004
     """
+    function(fn, "fn", takes=0, where="measure",
+             accepts="a function to call with no arguments, e.g. measure(lambda: model.training_step(batch)) "
+                     "(the function, not its result)")
     with MemoryMeter(device, backend=backend, timeline=timeline) as meter:
         fn()
     return meter.report()

@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ckptlib._arguments import got, integer, number
 from ckptlib.checkpoint import checkpoint
 from ckptlib.policies import save_matmuls, selective_checkpoint
 
@@ -70,6 +71,19 @@ def _checked_mode(value: Checkpointing) -> Checkpointing:
         f"{', '.join(repr(mode) for mode in CHECKPOINTING_MODES)}, "
         "or a ckptlib.schedules.Plan for checkpoint_sequential."
     )
+
+
+def _checked_batch(batch: object, where: str) -> Batch:
+    """``batch`` when it is an ``(input, target)`` pair of tensors. A bare tensor would unpack
+    along its first dimension into two rows and train on nonsense, so it is refused too."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
+        return tuple(batch)
+    raise TypeError(f"{where}: batch must be an (input, target) pair of tensors, as example_batch() "
+                    f"returns, {got(batch)}.")
+
+
+def _checked_batch_size(batch: object, seed: object, where: str) -> tuple[int, int]:
+    return integer(batch, "batch", least=1, where=where), integer(seed, "seed", where=where)
 
 
 def _sequential_tools():
@@ -127,6 +141,10 @@ class _DemoModel(nn.Module):
         self._checkpointing = _checked_mode(value)
 
     @property
+    def _name(self) -> str:
+        return type(self).__name__
+
+    @property
     def device(self) -> torch.device:
         """Where the parameters are, and so where ``example_batch`` puts its tensors."""
         return next(self.parameters()).device
@@ -141,8 +159,9 @@ class _DemoModel(nn.Module):
         Gradients are reset to ``None`` first, so every step allocates them afresh
         (what a memory meter around the step should see).
         """
+        batch = self.example_batch() if batch is None else _checked_batch(batch, f"{self._name}.training_step")
         self.zero_grad(set_to_none=True)
-        loss = self.loss(self.example_batch() if batch is None else batch)
+        loss = self.loss(batch)
         loss.backward()
         return loss.item()
 
@@ -184,25 +203,32 @@ class MLPChain(_DemoModel):
     def __init__(self, depth: int = 8, width: int = 256, *, checkpointing: Checkpointing = "none",
                  seed: int = 0) -> None:
         super().__init__(checkpointing)
-        if depth < 1 or width < 1:
-            raise ValueError(f"MLPChain needs depth >= 1 and width >= 1, got depth={depth}, width={width}.")
+        depth = integer(depth, "depth", least=1, where="MLPChain")
+        width = integer(width, "width", least=1, where="MLPChain")
+        seed = integer(seed, "seed", where="MLPChain")
         self.depth, self.width = depth, width
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"MLPChain: x must be a tensor of shape (batch, {self.width}), {got(x)}.")
+        if x.dim() == 0 or x.shape[-1] != self.width:
+            raise ValueError(f"MLPChain(width={self.width}): x must have shape (batch, {self.width}), "
+                             f"got shape {tuple(x.shape)}.")
         return run_blocks(self.blocks, x, self.checkpointing)
 
     def example_batch(self, batch: int = 8, seed: int = 0) -> Batch:
         """A random ``(input, target)`` pair, both ``batch x width``, on the model's device."""
+        batch, seed = _checked_batch_size(batch, seed, "MLPChain.example_batch")
         generator = torch.Generator().manual_seed(seed)
         x = torch.randn(batch, self.width, generator=generator)
         target = torch.randn(batch, self.width, generator=generator)
         return x.to(self.device), target.to(self.device)
 
     def loss(self, batch: Batch) -> torch.Tensor:
-        x, target = batch
+        x, target = _checked_batch(batch, "MLPChain.loss")
         return F.mse_loss(self(x), target)
 
 
@@ -271,6 +297,14 @@ class TinyTransformer(_DemoModel):
     def __init__(self, depth: int = 4, d_model: int = 128, heads: int = 4, seq: int = 64, vocab: int = 256,
                  *, checkpointing: Checkpointing = "none", dropout: float = 0.0, seed: int = 0) -> None:
         super().__init__(checkpointing)
+        sizes = {"depth": depth, "d_model": d_model, "heads": heads, "seq": seq, "vocab": vocab}
+        depth, d_model, heads, seq, vocab = (integer(value, name, least=1, where="TinyTransformer")
+                                             for name, value in sizes.items())
+        if d_model % heads:
+            raise ValueError(f"TinyTransformer: d_model={d_model} must be divisible by heads={heads} "
+                             "(each head gets d_model // heads features).")
+        dropout = number(dropout, "dropout", least=0, most=1, unit="probability", where="TinyTransformer")
+        seed = integer(seed, "seed", where="TinyTransformer")
         self.seq, self.vocab = seq, vocab
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -282,6 +316,13 @@ class TinyTransformer(_DemoModel):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``batch x seq x vocab`` for integer ``tokens`` of shape ``batch x seq``."""
+        if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
+            what = f"a tensor of dtype {tokens.dtype}" if isinstance(tokens, torch.Tensor) else got(tokens)[4:]
+            raise TypeError(f"TinyTransformer: tokens must be a tensor of integer token ids (torch.long), "
+                            f"shape (batch, seq), got {what}.")
+        if tokens.dim() != 2:
+            raise ValueError(f"TinyTransformer: tokens must have shape (batch, seq), got shape {tuple(tokens.shape)}; "
+                             "for one sequence use tokens.unsqueeze(0).")
         seq = tokens.shape[1]
         if seq > self.seq:
             raise ValueError(f"TinyTransformer was built for sequences of at most {self.seq} tokens, "
@@ -292,11 +333,12 @@ class TinyTransformer(_DemoModel):
 
     def example_batch(self, batch: int = 8, seed: int = 0) -> Batch:
         """Random token sequences and their next tokens, both ``batch x seq``, on the model's device."""
+        batch, seed = _checked_batch_size(batch, seed, "TinyTransformer.example_batch")
         generator = torch.Generator().manual_seed(seed)
         text = torch.randint(self.vocab, (batch, self.seq + 1), generator=generator)
         return text[:, :-1].to(self.device), text[:, 1:].to(self.device)
 
     def loss(self, batch: Batch) -> torch.Tensor:
-        tokens, targets = batch
+        tokens, targets = _checked_batch(batch, "TinyTransformer.loss")
         logits = self(tokens)
         return F.cross_entropy(logits.reshape(-1, self.vocab), targets.reshape(-1))

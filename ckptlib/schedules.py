@@ -88,8 +88,11 @@ of a segment is cut by early stop and not called in its rerun.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, Union
+
+from ckptlib._arguments import got, integer, number
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -120,10 +123,15 @@ class Segment:
     body: tuple["Step", ...] = ()
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.start, int) and isinstance(self.stop, int) and 0 <= self.start < self.stop):
-            raise ValueError(f"Segment({self.start!r}, {self.stop!r}): need integers 0 <= start < stop "
-                             "(the segment holds layers start .. stop-1).")
-        object.__setattr__(self, "body", tuple(self.body) or tuple(range(self.start, self.stop)))
+        where = f"Segment({self.start!r}, {self.stop!r})"
+        start, stop = integer(self.start, "start", where=where), integer(self.stop, "stop", where=where)
+        if not 0 <= start < stop:
+            raise ValueError(f"{where}: need 0 <= start < stop (the segment holds layers start .. stop-1).")
+        body = _checked_body(self.body, where, "body", "() for every layer recorded")
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "body", body or tuple(range(start, stop)))
+        _check_steps(self.body, start, stop, f"Segment({start}, {stop})")
 
 
 Step = Union[int, Segment]
@@ -212,7 +220,9 @@ class Plan:
     """
 
     def __init__(self, body: Sequence[Step], name: str = "Plan") -> None:
-        self.body: tuple[Step, ...] = tuple(body)
+        self.body: tuple[Step, ...] = _checked_body(body, "Plan", "body", "e.g. Plan([Segment(0, 2), 2])")
+        if not isinstance(name, str):
+            raise TypeError(f"Plan: name must be a string (how the plan was made), {got(name)}.")
         stop = _layers_end(self.body)
         _check_steps(self.body, 0, stop, "plan")
         self.n = stop
@@ -305,7 +315,10 @@ class Plan:
         'time (layer forward and backward steps)'
         """
         import matplotlib.pyplot as plt
+        from matplotlib.axes import Axes
 
+        if ax is not None and not isinstance(ax, Axes):
+            raise TypeError(f"Plan.plot: ax must be a matplotlib Axes to draw on, or None for a new figure, {got(ax)}.")
         if ax is None:
             _, ax = plt.subplots(figsize=(9, 3.5))
         styles = {
@@ -340,6 +353,14 @@ class Plan:
                      f"at most {self.peak_slots} checkpoints")
         ax.legend(loc="upper right", fontsize="small")
         return ax
+
+
+def _checked_body(body: Any, where: str, name: str, example: str) -> tuple[Step, ...]:
+    """``body`` as a tuple, when it is an ordered collection of steps (sets, dicts and strings are not)."""
+    if isinstance(body, (str, bytes, Set, Mapping)) or not isinstance(body, Iterable):
+        raise TypeError(f"{where}: {name} must be a list or tuple of steps (layer indices and Segments, "
+                        f"in layer order), {example}; {got(body)}.")
+    return tuple(body)
 
 
 def _layers_end(body: tuple[Step, ...]) -> int:
@@ -418,6 +439,7 @@ def _actions(body: tuple[Step, ...]) -> tuple[Action, ...]:
 
 
 def _checked_costs(layer_costs: Sequence[LayerCost | Sequence[float]], n: int | None) -> list[LayerCost]:
+    """The records as LayerCosts of plain Python numbers (a NumPy integer counts as an int)."""
     try:
         costs = [LayerCost(*record) for record in layer_costs]
     except TypeError as error:
@@ -426,20 +448,14 @@ def _checked_costs(layer_costs: Sequence[LayerCost | Sequence[float]], n: int | 
     if n is not None and len(costs) != n:
         raise ValueError(f"layer_costs has {len(costs)} records, but the plan has {n} layers; "
                          "give one LayerCost per layer.")
-    for layer, cost in enumerate(costs):
-        if not all(isinstance(value, (int, float)) and value >= 0 for value in cost):
-            raise ValueError(f"layer_costs[{layer}] = {cost}: sizes and time must be numbers >= 0.")
-    return costs
+    return [LayerCost(*(number(value, field, least=0, where=f"layer_costs[{layer}] = {cost}")
+                        for field, value in zip(LayerCost._fields, cost)))
+            for layer, cost in enumerate(costs)]
 
 
 # ---------------------------------------------------------------------------
 # Ready-made plans
 # ---------------------------------------------------------------------------
-
-
-def _check_count(name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}.")
 
 
 def _segments_then_tail(sizes: Sequence[int]) -> tuple[Step, ...]:
@@ -465,8 +481,8 @@ def uniform(n: int, k: int) -> Plan:
     >>> plan.forward_steps, plan.peak_slots, plan.peak_activations
     (12, 3, 7)
     """
-    _check_count("n", n, 1)
-    _check_count("k (the number of segments)", k, 1)
+    n = integer(n, "n (the number of layers)", least=1, where="uniform")
+    k = integer(k, "k (the number of segments)", least=1, where="uniform")
     if k > n:
         raise ValueError(f"uniform({n}, {k}): cannot cut {n} layers into {k} segments; use k <= {n}.")
     size = n // k
@@ -484,7 +500,7 @@ def sqrt_n(n: int) -> Plan:
     >>> plan.peak_slots, plan.peak_activations, plan.forward_steps
     (7, 15, 56)
     """
-    _check_count("n", n, 1)
+    n = integer(n, "n (the number of layers)", least=1, where="sqrt_n")
     size = math.isqrt(n - 1) + 1  # ceil(sqrt(n))
     count, rest = divmod(n, size)
     sizes = [size] * count + ([rest] if rest else [])
@@ -502,7 +518,7 @@ def recursive(n: int) -> Plan:
     >>> plan.peak_slots, plan.peak_activations, plan.forward_steps
     (4, 5, 32)
     """
-    _check_count("n", n, 1)
+    n = integer(n, "n (the number of layers)", least=1, where="recursive")
 
     def body(start: int, stop: int) -> tuple[Step, ...]:
         if stop - start == 1:
@@ -531,8 +547,8 @@ def revolve(n: int, slots: int) -> Plan:
     >>> revolve(10, 3).forward_steps           # r = 2: 2*10 - C(5, 4)
     15
     """
-    _check_count("n", n, 1)
-    _check_count("slots", slots, 1)
+    n = integer(n, "n (the number of layers)", least=1, where="revolve")
+    slots = integer(slots, "slots (checkpoints, x0 included)", least=1, where="revolve")
     usable = max(1, min(slots, n - 1))  # with n-1 slots no layer is advanced over twice
     # steps[s][l]: least advances to reverse l layers from a stored input with s slots;
     # split[s][l]: the first advance j of such a schedule. With no slot left, only a
@@ -594,8 +610,7 @@ def plan_for_budget(layer_costs: Sequence[LayerCost | Sequence[float]], memory_b
     costs = _checked_costs(layer_costs, None)
     if not costs:
         raise ValueError("plan_for_budget: layer_costs is empty; give one LayerCost per layer.")
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, (int, float)) or memory_budget < 0:
-        raise ValueError(f"memory_budget must be a number of bytes >= 0, got {memory_budget!r}.")
+    memory_budget = number(memory_budget, "memory_budget", least=0, unit="number of bytes", where="plan_for_budget")
     n = len(costs)
     least_bytes, least_body = _least_memory_plan(costs)
     if least_bytes > memory_budget:

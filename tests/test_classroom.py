@@ -153,3 +153,86 @@ def test_site_links_resolve_and_nothing_loads_from_the_network(site):
     cdn = re.compile(r"unpkg\.com|cdnjs|jsdelivr|googleapis|mathjax\.org")
     pages = sorted(site.rglob("*.html"))
     assert [page.name for page in pages if cdn.search(page.read_text(encoding="utf-8"))] == []
+
+
+# ---------------------------------------------------------------------------
+# Widgets on pages without a kernel (static_widgets)
+# ---------------------------------------------------------------------------
+
+def widget_notebook(state: dict, model_id: str = "view") -> nbformat.NotebookNode:
+    output = nbformat.v4.new_output("display_data", data={
+        classroom.WIDGET_VIEW: {"model_id": model_id, "version_major": 2, "version_minor": 0},
+        "text/plain": "MemoryDashboard(per block, depth 4)"})
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("dashboard", outputs=[output])])
+    nb.metadata["widgets"] = {classroom.WIDGET_STATE: {"state": state, "version_major": 2, "version_minor": 0}}
+    return nb
+
+
+def model(module: str = "@jupyter-widgets/controls", **state) -> dict:
+    return {"model_module": module, "model_module_version": "2.0.0", "model_name": "VBoxModel", "state": state}
+
+
+DOCUMENT = classroom.PurePosixPath("notebooks/06_x.ipynb")
+
+
+def test_a_widget_with_its_state_is_a_snapshot_with_a_note():
+    state = {"view": model(children=["IPY_MODEL_child"]), "child": model(), "stale": model()}
+    nb = classroom.static_widgets(widget_notebook(state), DOCUMENT)
+    note, view = nb.cells[0].outputs
+    assert "Static snapshot" in note.data["text/html"] and "notebooks/06_x.ipynb" in note.data["text/html"]
+    assert classroom.WIDGET_VIEW in view.data
+    # The saved state keeps what the shown widgets need: "stale" belonged to no output.
+    assert sorted(nb.metadata.widgets[classroom.WIDGET_STATE]["state"]) == ["child", "view"]
+
+
+@pytest.mark.parametrize("state", [
+    pytest.param({}, id="no state"),
+    pytest.param({"view": model(children=["IPY_MODEL_child"])}, id="a child's state missing"),
+    pytest.param({"view": model("ipycanvas")}, id="a widget library the page cannot load"),
+])
+def test_a_widget_without_its_state_becomes_a_note_that_names_it(state):
+    nb = classroom.static_widgets(widget_notebook(state), DOCUMENT)
+    [note] = nb.cells[0].outputs
+    assert classroom.WIDGET_VIEW not in note.data
+    assert "Interactive widget MemoryDashboard(per block, depth 4)" in note.data["text/html"]
+    assert "make lab" in note.data["text/html"]
+    assert "widgets" not in nb.metadata   # nothing left to draw: no widgets script on the page
+
+
+def test_nbconvert_shows_the_note_not_an_empty_box_for_a_widget_without_state():
+    """nbconvert alone falls back to the widget's text repr (or, with a partial state, an empty
+    box the widgets manager cannot fill); after static_widgets the page shows the note."""
+    nb = classroom.static_widgets(widget_notebook({"view": model(children=["IPY_MODEL_gone"])}), DOCUMENT)
+    body, _ = classroom.HTMLExporter().from_notebook_node(nb)
+    assert "course-widget-note" in body and "its state was not saved" in body
+    assert classroom.WIDGET_VIEW not in body
+
+
+def test_slides_use_a_16_9_canvas_and_their_own_start_up():
+    config = classroom.asset_config("_static")
+    assert (config.SlidesExporter.reveal_width, config.SlidesExporter.reveal_height) == ("1280", "720")
+    assert "reveal_scroll" not in config.SlidesExporter   # slides.js fits slides instead of scrolling them
+    assert "courseSlides.start" in classroom.SLIDES_TEMPLATE and 'navigationMode: "linear"' in classroom.SLIDES_TEMPLATE
+    assert sorted(path.name for path in classroom.COURSE_STATIC.iterdir()) == ["slides.css", "slides.js"]
+
+
+def test_the_slides_index_puts_each_notebooks_solutions_after_it():
+    pages = {classroom.PurePosixPath(f"notebooks/{name}.ipynb"): classroom.PurePosixPath(f"{name}.slides.html")
+             for name in ("01_b", "00_a")}
+    pages[classroom.PurePosixPath("notebooks/solutions/00_a_solutions.ipynb")] = classroom.PurePosixPath(
+        "solutions/00_a_solutions.slides.html")
+    titles = {classroom.PurePosixPath("notebooks/00_a.ipynb"): "00 · A & more", classroom.PurePosixPath(
+        "notebooks/01_b.ipynb"): "01 · B"}
+    links = re.findall(r'<a href="([^"]+)">([^<]+)</a>', classroom.slides_index(pages, titles))
+    assert links == [("00_a.slides.html", "00 · A &amp; more"), ("solutions/00_a_solutions.slides.html", "solutions"),
+                     ("01_b.slides.html", "01 · B")]
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if classroom.WIDGET_VIEW in p.read_text(encoding="utf-8")],
+                         ids=lambda path: path.stem)
+def test_site_labels_each_widget_as_a_snapshot(site, path):
+    page = (site / path.relative_to(ROOT).with_suffix(".html")).read_text(encoding="utf-8")
+    notes = page.count('class="course-widget-note"')
+    views = page.count(f'<script type="{classroom.WIDGET_VIEW}">')
+    assert notes == views >= 1
+    assert page.index("course-widget-note") < page.index(f'<script type="{classroom.WIDGET_VIEW}">')

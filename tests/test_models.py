@@ -126,7 +126,7 @@ def test_sqrt_without_checkpoint_sequential_says_what_to_use(monkeypatch):
 
 
 def test_invalid_sizes_are_refused():
-    with pytest.raises(ValueError, match="depth >= 1"):
+    with pytest.raises(ValueError, match="depth must be an integer >= 1, got 0"):
         MLPChain(depth=0, width=8)
     with pytest.raises(ValueError, match="divisible by heads"):
         TinyTransformer(d_model=30, heads=4)

@@ -255,7 +255,7 @@ def test_plan_for_budget_names_the_least_memory_needed():
         plan_for_budget(costs, 450)
     assert "Raise memory_budget to at least 500" in str(error.value)
     assert plan_for_budget(costs, 500).peak_bytes(costs) == 500
-    with pytest.raises(ValueError, match="memory_budget must be a number of bytes"):
+    with pytest.raises(ValueError, match="memory_budget must be a finite number of bytes >= 0"):
         plan_for_budget(costs, -1)
     with pytest.raises(ValueError, match="layer_costs is empty"):
         plan_for_budget([], 100)
@@ -278,17 +278,15 @@ def test_hand_made_plans_must_cover_the_layers_in_order():
         Plan([0, "1"])
     with pytest.raises(ValueError, match="at least one step"):
         Plan([])
-    with pytest.raises(ValueError, match="need integers 0 <= start < stop"):
+    with pytest.raises(ValueError, match="need 0 <= start < stop"):
         Segment(3, 3)
 
 
 @pytest.mark.parametrize("make, message", [
     (lambda: uniform(4, 5), "cannot cut 4 layers into 5 segments"),
     (lambda: uniform(4, 0), "k \\(the number of segments\\) must be an integer >= 1"),
-    (lambda: uniform(0, 1), "n must be an integer >= 1, got 0"),
-    (lambda: sqrt_n(2.0), "n must be an integer >= 1, got 2.0"),
-    (lambda: recursive(True), "n must be an integer >= 1, got True"),
-    (lambda: revolve(8, 0), "slots must be an integer >= 1, got 0"),
+    (lambda: uniform(0, 1), "n \\(the number of layers\\) must be an integer >= 1, got 0"),
+    (lambda: revolve(8, 0), "slots \\(checkpoints, x0 included\\) must be an integer >= 1, got 0"),
 ])
 def test_constructors_reject_bad_sizes(make, message):
     with pytest.raises(ValueError, match=message):

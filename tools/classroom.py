@@ -14,11 +14,26 @@ built points at its page (`03_x.ipynb` -> `03_x.html` on the site, `03_x.slides.
 slides), and any other repository file a page links to (a .py source) is copied next to it.
 The site mirrors the repository's layout (notebooks/03_x.html, docs/instructor.html; README.md
 becomes index.html), with a table of contents on every page.
+
+Slides that fit. The decks use a 16:9 canvas (1280 x 720) and tools/classroom_static/slides.js,
+which runs before reveal.js starts: a code or output block with lines too long for the slide
+gets a smaller font (down to 13 px from 19), then wraps; a slide a little too tall is shrunk
+(to 85% at most); a taller one is split between cells into vertical slides headed
+"... (continued)", so a presenter only ever presses "next" (right arrow or space: the decks
+navigate linearly) and nothing is below the fold. Only a single cell taller than the canvas by
+itself scrolls (shrunk to 60% first), and then each fragment scrolls into view as it appears.
+The slides index lists the notebooks by title in course order, each with its solutions.
+
+Widgets. A page has no kernel, so a widget output can only be the snapshot of its saved state.
+Each one gets a visible note saying so and where to run it; one whose saved state is
+incomplete (or needs a widget library the static page cannot load) is replaced by a note naming
+it, rather than an empty box (see static_widgets).
 """
 from __future__ import annotations
 
 import functools
 import html
+import json
 import posixpath
 import re
 import shutil
@@ -38,6 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
 NODE_MODULES = TOOLS / "node_modules"
 STATIC = "_static"
+COURSE_STATIC = TOOLS / "classroom_static"   # our own slides.js and slides.css, copied to _static/course
+SLIDE_WIDTH, SLIDE_HEIGHT = 1280, 720          # the reveal.js canvas: 16:9, what projectors show
 
 # What the pages load, as paths inside node_modules; copied to OUT/_static/<same path>.
 VENDORED = (
@@ -77,7 +94,28 @@ require.config({paths: {
 </div>
 {%- endblock input %}
 """
-SLIDES_TEMPLATE = "{%- extends 'index.html.j2' -%}" + COMMON_BLOCKS
+# The decks start reveal.js through slides.js, which first makes every slide fit (see the module
+# notes); nbconvert's own start-up script (and its "scroll" option) is replaced.
+SLIDES_TEMPLATE = "{%- extends 'index.html.j2' -%}" + COMMON_BLOCKS + """
+{% block notebook_css %}{{ super() }}
+<link rel="stylesheet" href="{{ resources.static_url }}/course/slides.css">
+{% endblock notebook_css %}
+{% block footer_js %}
+<script src="{{ resources.static_url }}/course/slides.js"></script>
+<script>
+require({waitSeconds: 15},
+  ["{{ resources.reveal.url_prefix }}/dist/reveal.js", "{{ resources.reveal.url_prefix }}/plugin/notes/notes.js"],
+  function (Reveal, RevealNotes) {
+    courseSlides.start(Reveal, {
+      controls: true, progress: true, history: true, plugins: [RevealNotes],
+      navigationMode: "linear",   // right arrow walks into subslides and continuations too
+      transition: "{{ resources.reveal.transition }}", slideNumber: "{{ resources.reveal.number }}",
+      width: {{ resources.reveal.width }}, height: {{ resources.reveal.height }}
+    });
+  });
+</script>
+{% endblock footer_js %}
+"""
 # The site's pages get their table of contents and previous / next links once all are rendered.
 TOC_MARK, PAGER_MARK = "<!-- course-toc -->", "<!-- course-pager -->"
 SITE_TEMPLATE = "{%- extends 'index.html.j2' -%}" + COMMON_BLOCKS + """
@@ -145,7 +183,9 @@ def install_assets() -> Path:
 
 
 def copy_assets(out: Path, *, slides: bool) -> None:
-    """Copy the vendored scripts, styles and fonts to out/_static (reveal.js only for slides)."""
+    """Copy the vendored scripts, styles and fonts to out/_static (reveal.js and ours only for slides)."""
+    if slides:
+        shutil.copytree(COURSE_STATIC, out / STATIC / "course", dirs_exist_ok=True)
     modules = install_assets()
     for relative in VENDORED:
         if relative.startswith("reveal.js/") and not slides:
@@ -177,7 +217,7 @@ def asset_config(prefix: str) -> Config:
     config.HTMLExporter.widget_renderer_url = f"{prefix}/@jupyter-widgets/html-manager/dist/embed-amd.js"
     config.SlidesExporter.reveal_url_prefix = f"{prefix}/reveal.js"
     config.SlidesExporter.reveal_theme = "white"  # its fonts ship with reveal.js; "simple" asks Google Fonts
-    config.SlidesExporter.reveal_scroll = True   # a long cell scrolls inside its slide
+    config.SlidesExporter.reveal_width, config.SlidesExporter.reveal_height = str(SLIDE_WIDTH), str(SLIDE_HEIGHT)
     config.SlidesExporter.reveal_number = "c/t"  # "12/40", so the room can say which slide
     return config
 
@@ -219,26 +259,64 @@ def build_slides(out: Path) -> list[Path]:
     """Write a reveal.js deck for every notebook and solutions notebook under out/; return the decks.
 
     Cells present as their `slideshow.slide_type` says (slide, subslide, fragment, skip, notes);
-    in a deck, S opens the speaker view with the notes cells.
+    in a deck, S opens the speaker view with the notes cells. slides.js then makes each slide
+    fit (see the module notes). out/index.html lists the decks by title, in course order.
     """
     copy_assets(out, slides=True)
     exporter = _exporters(SlidesExporter, SLIDES_TEMPLATE)
     sources = notebooks() + solutions()
     pages = {_repository_path(source): slides_page(source) for source in sources}
     linked_files: set[PurePosixPath] = set()
-    decks = []
+    decks, titles = [], {}
     for source in sources:
         document = _repository_path(source)
-        text = _render(exporter, _titled(nbformat.read(source, as_version=4)), source.stem, pages[document])
+        nb = static_widgets(_titled(nbformat.read(source, as_version=4)), document)
+        titles[document] = nb.metadata.get("title", source.stem)
+        text = _render(exporter, nb, source.stem, pages[document])
         decks.append(_write(out, pages[document], rewrite_links(text, document, pages, linked_files)))
     _copy_linked(out, linked_files)
-    items = "\n".join(f'<li><a href="{html.escape(page.as_posix())}">{html.escape(page.name)}</a></li>'
-                      for page in pages.values())
-    _write(out, PurePosixPath("index.html"),
-           '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>Course slides</title></head>\n'
-           "<body><h1>Course slides</h1>\n<p>Arrow keys move, S opens the speaker view (notes), "
-           f"F is full screen, Esc shows every slide.</p>\n<ul>\n{items}\n</ul></body></html>\n")
+    _write(out, PurePosixPath("index.html"), slides_index(pages, titles))
     return decks
+
+
+def slides_index(pages: Pages, titles: dict[PurePosixPath, str]) -> str:
+    """The decks' home page: each notebook by its title, in course order, its solutions beside it.
+
+    >>> pages = {PurePosixPath("notebooks/00_a.ipynb"): PurePosixPath("00_a.slides.html"),
+    ...          PurePosixPath("notebooks/solutions/00_a_solutions.ipynb"):
+    ...              PurePosixPath("solutions/00_a_solutions.slides.html")}
+    >>> page = slides_index(pages, {PurePosixPath("notebooks/00_a.ipynb"): "00 · Welcome"})
+    >>> '<a href="00_a.slides.html">00 · Welcome</a>' in page, 'href="solutions/00_a_solutions.slides.html"' in page
+    (True, True)
+    """
+    course = sorted(document for document in pages if document.parent.name != "solutions")
+    items = []
+    for notebook in course:
+        title = html.escape(titles.get(notebook, notebook.stem))
+        item = f'<li><a href="{html.escape(pages[notebook].as_posix())}">{title}</a>'
+        solution = notebook.parent / "solutions" / f"{notebook.stem}_solutions.ipynb"
+        if solution in pages:
+            link = html.escape(pages[solution].as_posix())
+            item += f' <span class="solutions">· <a href="{link}">solutions</a></span>'
+        items.append(item + "</li>")
+    readme = ROOT / "README.md"
+    course_title = _title(readme.read_text(encoding="utf-8")) if readme.exists() else ""
+    heading = f"{course_title}: slides" if course_title else "Course slides"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(heading)}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body {{ font-family: system-ui, sans-serif; max-width: 46em; margin: 2em auto; padding: 0 1em; line-height: 1.5; }}
+ul {{ list-style: none; padding-left: 0; }} li {{ margin: 0.5em 0; font-size: 1.1em; }}
+.solutions {{ font-size: 0.85em; color: #555; }} .keys {{ color: #444; }}
+</style></head>
+<body><h1>{html.escape(heading)}</h1>
+<p class="keys">Space or &rarr;: next, through every slide (a slide too long for the screen continues on
+the next one). S: speaker view with notes. F: full screen. Esc: every slide at once.</p>
+<ul>
+{chr(10).join(items)}
+</ul></body></html>
+"""
 
 
 def _title(markdown: str) -> str:
@@ -252,6 +330,83 @@ def _titled(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     first = next((cell.source for cell in nb.cells if cell.cell_type == "markdown"), "")
     if _title(first) and "title" not in nb.metadata:
         nb.metadata["title"] = _title(first)
+    return nb
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+# What @jupyter-widgets/html-manager renders by itself; any other widget library it would fetch
+# from a CDN, which an offline page cannot reach.
+STATIC_WIDGET_MODULES = {"@jupyter-widgets/base", "@jupyter-widgets/controls", "@jupyter-widgets/output"}
+_NOTE_STYLE = ("margin: 0.3em 0; padding: 0.35em 0.7em; border-left: 4px solid #e0a800; "
+               "background: #fff8e1; color: #5d4400; font-size: 0.85em; font-family: sans-serif;")
+
+
+def _widget_models(model_id: str, state: dict) -> set[str] | None:
+    """The models a view needs (it and every model it references), or None if one is missing or
+    belongs to a widget library a static page cannot load."""
+    needed, todo = set(), [model_id]
+    while todo:
+        current = todo.pop()
+        if current in needed:
+            continue
+        model = state.get(current)
+        if model is None or model.get("model_module") not in STATIC_WIDGET_MODULES:
+            return None
+        needed.add(current)
+        todo += re.findall(r"IPY_MODEL_(\w+)", json.dumps(model.get("state", {})))
+    return needed
+
+
+def _note(text: str) -> nbformat.NotebookNode:
+    return nbformat.v4.new_output("display_data", data={
+        "text/html": f'<p class="course-widget-note" style="{_NOTE_STYLE}">{text}</p>',
+        "text/plain": re.sub(r"<[^>]+>", "", html.unescape(text))})
+
+
+def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbformat.NotebookNode:
+    """The notebook with its widget outputs made honest for a page without a kernel.
+
+    A widget whose saved state is complete is shown as the snapshot the state describes, after a
+    note that it is one and where to run it. A widget whose state is missing or incomplete would
+    be an empty box (or, as nbconvert falls back, its text repr): it becomes a note naming it.
+    The saved state keeps exactly the models the shown widgets need.
+
+    >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output(
+    ...     "display_data", data={WIDGET_VIEW: {"model_id": "a1"}, "text/plain": "Slider(value=3)"})])])
+    >>> nb = static_widgets(nb, PurePosixPath("notebooks/00_x.ipynb"))
+    >>> print(nb.cells[0].outputs[0].data["text/plain"])  # doctest: +NORMALIZE_WHITESPACE
+    Interactive widget Slider(value=3): its state was not saved with this page.
+    Run it in JupyterLab: make lab, then open notebooks/00_x.ipynb.
+    >>> "widgets" in nb.metadata
+    False
+    """
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    where = f"Run it in JupyterLab: <code>make lab</code>, then open {html.escape(document.as_posix())}."
+    shown: set[str] = set()
+    for cell in nb.cells:
+        outputs = []
+        for output in cell.get("outputs", []):
+            view = output.get("data", {}).get(WIDGET_VIEW)
+            if view is None:
+                outputs.append(output)
+                continue
+            models = _widget_models(view.get("model_id", ""), state)
+            if models is None:
+                name = str(output.data.get("text/plain", "")).strip().splitlines()[0:1]
+                label = f" {html.escape(name[0])}" if name else ""
+                outputs.append(_note(f"Interactive widget{label}: its state was not saved with this page. {where}"))
+            else:
+                shown |= models
+                outputs += [_note(f"Static snapshot of an interactive widget: its controls do nothing here. {where}"),
+                            output]
+        if "outputs" in cell:
+            cell.outputs = outputs
+    if shown:
+        widgets = nb.metadata.widgets[WIDGET_STATE]
+        widgets["state"] = {model_id: model for model_id, model in state.items() if model_id in shown}
+    else:
+        nb.metadata.pop("widgets", None)
     return nb
 
 
@@ -448,7 +603,8 @@ def build_site(out: Path) -> list[Path]:
     copy_assets(out, slides=False)
     documents = {PurePosixPath("README.md"): _markdown_page((ROOT / "README.md").read_text(encoding="utf-8"))}
     for source in notebooks() + solutions():
-        documents[_repository_path(source)] = _titled(nbformat.read(source, as_version=4))
+        document = _repository_path(source)
+        documents[document] = static_widgets(_titled(nbformat.read(source, as_version=4)), document)
     guide = ROOT / "docs" / "instructor.md"
     if guide.exists():
         documents[_repository_path(guide)] = _markdown_page(guide.read_text(encoding="utf-8"))

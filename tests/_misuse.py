@@ -1,0 +1,77 @@
+"""Shared by the tests/test_misuse_<module>.py tables: a misuse must fail clearly and leave nothing behind.
+
+Each row of a table is ``Misuse(id, call, error, words)``: calling ``call()`` must raise exactly
+``error`` (TypeError or ValueError) at once, its message must contain every one of ``words``
+(the argument's name, what it accepts, what was given), and afterwards the process must be as
+it was: no dispatch or torch-function mode left on the stack, no saved-tensor hooks, no global
+module hooks, no open ckptlib trace, the global RNG untouched.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, NamedTuple
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as module_hooks
+
+import ckptlib.checkpoint  # noqa: F401  (the module; ckptlib.checkpoint itself is the function)
+
+checkpoint_module = sys.modules["ckptlib.checkpoint"]
+
+
+class Misuse(NamedTuple):
+    id: str
+    call: Callable[[], Any]
+    error: type[Exception]
+    words: tuple[str, ...]
+
+
+def rows(table: list[Misuse]) -> list:
+    """The table as pytest parameters, each named by its id."""
+    return [pytest.param(row, id=row.id) for row in table]
+
+
+def process_state() -> dict[str, Any]:
+    """What a call could leave behind in the process, as comparable values."""
+    return {
+        "dispatch modes": torch._C._len_torch_dispatch_stack(),
+        "torch function modes": torch._C._len_torch_function_stack(),
+        "saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+        "global module hooks": (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks),
+                                len(module_hooks._global_backward_hooks)),
+        "ckptlib traces": len(checkpoint_module._active_traces),
+        "global RNG state": torch.random.get_rng_state().tolist(),
+    }
+
+
+def module_state(model: nn.Module) -> dict[str, Any]:
+    """A model's parameters, gradients and hooks, to check that a refused call changed none of them."""
+    return {
+        "parameters": [p.detach().clone() for p in model.parameters()],
+        "gradients": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+        "hooks": [len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+                  for m in model.modules()],
+    }
+
+
+def assert_same_module_state(before: dict[str, Any], after: dict[str, Any]) -> None:
+    assert after["hooks"] == before["hooks"], "a module hook was left on the model"
+    for key in ("parameters", "gradients"):
+        for old, new in zip(before[key], after[key]):
+            assert (old is None and new is None) or (old is not None and new is not None and torch.equal(old, new)), \
+                f"the refused call changed the model's {key}"
+
+
+def assert_refused(row: Misuse) -> str:
+    """Run ``row.call`` and check the error, its words and that nothing was left behind; return the message."""
+    before = process_state()
+    with pytest.raises(Exception) as caught:
+        row.call()
+    message = str(caught.value)
+    assert caught.type is row.error, f"expected {row.error.__name__}, got {caught.type.__name__}: {message}"
+    missing = [word for word in row.words if word not in message]
+    assert missing == [], f"the message lacks {missing}: {message}"
+    assert process_state() == before, "the refused call left something behind"
+    return message
