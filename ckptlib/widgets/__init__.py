@@ -13,7 +13,8 @@ Each widget is plain Python state plus ``ipywidgets`` controls: set a control's
 ``.value`` and read the widget's attributes, in a test as in a notebook.
 """
 from ckptlib.widgets.dashboard import MemoryDashboard
+from ckptlib.widgets.policies import PolicyExplorer
 from ckptlib.widgets.schedules import ScheduleExplorer
 from ckptlib.widgets.stepper import BackwardStepper
 
-__all__ = ["MemoryDashboard", "BackwardStepper", "ScheduleExplorer"]
+__all__ = ["MemoryDashboard", "BackwardStepper", "ScheduleExplorer", "PolicyExplorer"]
