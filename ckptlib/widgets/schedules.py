@@ -290,24 +290,26 @@ class ScheduleExplorer(WidgetView):
             "forward_steps": plan.forward_steps, "peak_checkpoints": plan.peak_slots,
             "theory_peak_activations": plan.peak_activations, "theory_peak_bytes": int(plan.peak_bytes(costs)),
         }
-        self.readout.value = self._readout(costs[0].input_bytes)
+        self.readout.value = self._readout()
         self._draw(plan)
         self.plot.value = png_bytes(self._figure)
 
-    def _readout(self, activation_bytes: int) -> str:
+    def _readout(self) -> str:
         r = self.result
         same = "equal" if r["forward_calls"] == r["theory_forward_calls"] else "<b>differ</b>"
-        cell = "style='padding:2px 10px; text-align:right'"
+        cell = "style='padding:2px 10px; text-align:left; vertical-align:top'"
         rows = [
             ("", "measured", "theory (the plan)"),
             ("layer forward calls", f"{r['forward_calls']}", f"{r['theory_forward_calls']} ({same}; "
              f"{r['forward_steps']} of them recompute)"),
-            ("peak", f"{format_bytes(r['peak_bytes'])} (the whole step)",
-             f"{r['theory_peak_activations']} activations of {format_bytes(activation_bytes)}, at most "
-             f"{r['peak_checkpoints']} checkpoints: {format_bytes(r['theory_peak_bytes'])} kept (upper bound)"),
+            ("peak", f"{format_bytes(r['peak_bytes'])}<br><small>the whole step</small>",
+             f"at worst {r['theory_peak_activations']} activations kept, {r['peak_checkpoints']} of them "
+             f"checkpoints: {format_bytes(r['theory_peak_bytes'])} by the layers' measured costs "
+             "(an upper bound: parameters, gradients and tensors in flight not counted)"),
         ]
         body = "".join("<tr>" + "".join(f"<td {cell}>{value}</td>" for value in row) + "</tr>" for row in rows)
-        return f"<b>{r['plan']}</b><table style='border-collapse:collapse'>{body}</table>"
+        return (f"<b>{r['plan']}</b><table style='border-collapse:collapse; max-width:900px'>"
+                f"<colgroup><col style='width:150px'><col style='width:120px'><col></colgroup>{body}</table>")
 
     def _draw(self, plan: Plan) -> None:
         # The axes, legends and the curve's points are made once per n; an update only swaps

@@ -66,6 +66,10 @@ STATES = ("saved", "dropped", "recomputed", "released")
 # A saved tensor's state -> the status ckptlib.graph draws it with.
 _GRAPH_STATUS = {"saved": "kept", "dropped": "dropped", "recomputed": "recomputed", "released": "freed"}
 TIMELINE_PX = (368, 208)   # the timeline picture's size on screen
+# How a state looks in the legend beside the timeline: as ckptlib.graph draws that status.
+_CHIP = {"saved": "background:orange", "dropped": "border:1px dashed darkorange; background:white",
+         "recomputed": "border:1px dashed darkorange; background:plum",
+         "released": "border:1px dotted grey; background:white"}
 _EVENT_PHASE = {"pack": "forward", "forward_done": "forward", "recompute": "recompute",
                 "early_stop": "recompute", "unpack": "backward", "release": "backward"}
 
@@ -330,18 +334,21 @@ class BackwardStepper(WidgetView):
         self.prev_button.on_click(lambda _button: self._move(-1))
         self.next_button.on_click(lambda _button: self._move(+1))
         self.caption = widgets.HTML()
-        self.graph_view = widgets.HTML(layout=widgets.Layout(max_height="560px", overflow="auto",
-                                                             flex="1 1 auto"))
+        # The graph gets the whole width (it is wide: every saved tensor is a box of its own).
+        self.graph_view = widgets.HTML(layout=widgets.Layout(max_height="640px", overflow="auto"))
         self.timeline_view = widgets.HTML(layout=widgets.Layout(flex="0 0 auto"))
+        self.states_view = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", margin="0 0 0 16px"))
         for name, widget in (("stepper-prev", self.prev_button), ("stepper-next", self.next_button),
                              ("stepper-position", self.position), ("stepper-caption", self.caption),
-                             ("stepper-graph", self.graph_view), ("stepper-timeline", self.timeline_view)):
+                             ("stepper-graph", self.graph_view), ("stepper-timeline", self.timeline_view),
+                             ("stepper-states", self.states_view)):
             widget.add_class(f"ckptlib-{name}")  # stable handles for the browser test
         self.position.observe(lambda change: self._show(change["new"]), names="value")
         self.widget = widgets.VBox([
             widgets.HBox([self.prev_button, self.next_button, self.play, self.position]),
             self.caption,
-            widgets.HBox([self.graph_view, self.timeline_view]),
+            widgets.HBox([self.timeline_view, self.states_view]),
+            self.graph_view,
         ])
         self._show(0)
 
@@ -421,8 +428,27 @@ class BackwardStepper(WidgetView):
                               f"</b> · {_escape(frame['text'])} · live {format_bytes(frame['live_bytes'])}</div>")
         self.graph_view.value = self.svg(index)
         self.timeline_view.value = self._timeline_html(index)
+        self.states_view.value = self._states_html(index)
         self.prev_button.disabled = index == 0
         self.next_button.disabled = index == len(self.frames) - 1
+
+    def _states_html(self, index: int) -> str:
+        frame = self.frames[index]
+        counts = {state: 0 for state in STATES}
+        for state in frame["states"].values():
+            counts[state] += 1
+        chips = "".join(f"<div style='margin:3px 0'><span style='display:inline-block; width:14px; height:10px; "
+                        f"margin-right:6px; {_CHIP[state]}'></span>{state}: <b>{count}</b></div>"
+                        for state, count in counts.items())
+        lines = [f"<div style='font-weight:bold; margin-bottom:4px'>saved tensors now</div>{chips}"]
+        label = frame["tensor"]
+        if label is not None and label in self.tensors:
+            info = self.tensors[label]
+            where = f" · {info['node']}.{info['attribute']}" if info.get("node") else ""
+            lines.append(f"<div style='margin-top:8px'>this event: <b>{_escape(label)}</b>{_escape(where)} · "
+                         f"{_describe(info['shape'], info['dtype'], info['nbytes'])} · now "
+                         f"<b>{frame['states'].get(label, '-')}</b></div>")
+        return "<div style='font-size:13px'>" + "".join(lines) + "</div>"
 
     def graph_at(self, index: int) -> AutogradGraph:
         """The autograd graph with every saved tensor drawn in its state at frame ``index``
