@@ -172,8 +172,9 @@ class PolicyExplorer(WidgetView):
         for name, widget in (("summary", self.summary), ("plot", self.plot), ("tick-matmuls", self.tick_matmuls),
                              ("clear", self.clear)):
             widget.add_class(f"ckptlib-policy-{name}")  # stable handles for the browser test
-        self.widget = widgets.VBox([widgets.HBox([self.tick_matmuls, self.tick_cost, self.clear]),
-                                    widgets.HBox([self._table(), widgets.VBox([self.summary, self.plot])])])
+        self.widget = widgets.VBox([widgets.HBox([self.tick_matmuls, self.tick_cost, self.clear]), self._table(),
+                                    widgets.Box([self.summary, self.plot],  # side by side where they fit
+                                                layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start"))])
         self._figure = Figure(figsize=(5.4, 3.0), dpi=80)
         self.update()
 
@@ -240,13 +241,13 @@ class PolicyExplorer(WidgetView):
                       widgets.HTML(f"{row['time_s'] * 1e6:.0f} µs"),
                       widgets.HTML("✓" if row["save_matmuls"] else ""), widgets.HTML("✓" if row["cost_policy"] else "")]
         return widgets.GridBox(cells, layout=widgets.Layout(
-            grid_template_columns="28px 110px 210px 40px 80px 64px 90px 80px", grid_gap="0 6px"))
+            grid_template_columns="40px 150px 230px 40px 80px 64px 110px 90px", grid_gap="0 8px"))
 
     def _variants(self) -> dict[str, dict[str, Any]]:
         return {**self.references, "your selection": self.result}
 
     def _summary(self) -> str:
-        cell = "style='padding:2px 8px; text-align:right'"
+        cell = "style='padding:2px 8px; text-align:right; white-space:nowrap'"
         rows = ["<tr><td></td>" + "".join(f"<td {cell}><b>{name}</b></td>" for name in self._variants()) + "</tr>"]
         plain_s = self.references["plain"]["step_s"]
         for label, show in (("kept for backward", lambda v: format_bytes(v["kept_bytes"])),
@@ -256,9 +257,9 @@ class PolicyExplorer(WidgetView):
             rows.append(f"<tr><td {cell}>{label}</td>" + "".join(
                 f"<td {cell}>{show(variant)}</td>" for variant in self._variants().values()) + "</tr>")
         return ("<table style='border-collapse:collapse'>" + "".join(rows) + "</table>"
-                f"<small>Kept bytes and calls rerun are exact. Step time: median of {TIMED_STEPS} "
+                f"<div style='max-width:520px; line-height:1.3'><small>Kept bytes and calls rerun are exact. Step time: median of {TIMED_STEPS} "
                 "forward+backward steps after a warm-up; rerun cost: step time minus plain's (both noisy)."
-                "</small>")
+                "</small></div>")
 
     def _draw(self) -> None:
         self._figure.clear()
