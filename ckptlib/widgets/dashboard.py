@@ -84,7 +84,7 @@ class _OverLimit(MemoryError):
     """Raised from the meter's per-op callback: the step crossed ``memory_limit_bytes``."""
 
     def __init__(self, entry: TimelineEntry) -> None:
-        super().__init__(f"{entry.live_bytes / MiB:.1f} MiB live after op #{entry.index} "
+        super().__init__(f"{entry.live_bytes / MiB:.2f} MiB live after op #{entry.index} "
                          f"({entry.op}, {entry.phase})")
         self.entry = entry
         self.timeline: list[TimelineEntry] = []
@@ -376,7 +376,7 @@ class MemoryDashboard(WidgetView):
         self.timeline_data = error.timeline
         self._say(self._explain(error, settings))
         self.readout.value = (f"{self._settings_label(settings)}: did not fit, stopped at "
-                              f"{failure['stopped_bytes'] / MiB:.1f} MiB, above the "
+                              f"{failure['stopped_bytes'] / MiB:.2f} MiB, above the "
                               f"{self.memory_limit_bytes / MiB:.0f} MiB limit")
         self._draw(failure)
         self.plot.value = png_bytes(self._figure)
@@ -425,7 +425,7 @@ class MemoryDashboard(WidgetView):
             text += (f" | vs off: {reference['peak_bytes'] / MiB:.2f} MiB, {saving:.0%} less memory, "
                      f"{record['step_s'] / reference['step_s']:.2f}x the time")
         elif record["checkpointing"] and reference is not None:
-            text += (f" | vs off: off did not fit (stopped at {reference['stopped_bytes'] / MiB:.1f} MiB, "
+            text += (f" | vs off: off did not fit (stopped at {reference['stopped_bytes'] / MiB:.2f} MiB, "
                      f"limit {reference['limit_bytes'] / MiB:.0f} MiB); this fits")
         elif record["checkpointing"]:
             text += " | run once with checkpointing off to compare"
