@@ -12,7 +12,8 @@ from ckptlib.widgets.schedules import SCHEDULES, schedule_picture
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 RESULT_KEYS = {"plan", "n", "schedule", "parameter", "peak_bytes", "forward_calls", "theory_forward_calls",
-               "forward_steps", "peak_checkpoints", "theory_peak_activations", "theory_peak_bytes"}
+               "forward_calls_per_layer", "theory_forward_calls_per_layer", "forward_steps", "peak_checkpoints",
+               "theory_peak_activations", "theory_peak_bytes"}
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,9 @@ def test_revolve_20_layers_3_slots_calls_the_layers_as_often_as_theory_says(expl
     assert result["plan"] == "revolve(20, slots=3)"
     assert result["forward_calls"] == result["theory_forward_calls"] == revolve(20, 3).forward_calls == 65
     assert result["peak_checkpoints"] <= 3
+    # Layer by layer too: the last layer runs once, the first layers are advanced over most.
+    assert result["forward_calls_per_layer"] == result["theory_forward_calls_per_layer"]
+    assert result["forward_calls_per_layer"][-1] == 1 and len(result["forward_calls_per_layer"]) == 20
     assert bytes(explorer.plot.value).startswith(PNG_SIGNATURE)
 
 
@@ -52,7 +56,7 @@ def test_every_schedule_measures_what_its_plan_predicts(explorer, schedule):
     explorer.schedule.value = schedule
     result = explorer.result
     assert result["schedule"] == schedule and result["n"] == 12
-    assert result["forward_calls"] == result["theory_forward_calls"]
+    assert result["forward_calls_per_layer"] == result["theory_forward_calls_per_layer"]
     assert explorer.parameter.disabled == (SCHEDULES[schedule] is None)
     assert (result["parameter"] is None) == (SCHEDULES[schedule] is None)
 

@@ -106,6 +106,16 @@ def schedule_picture(plan: Plan) -> np.ndarray:
     return np.stack(columns, axis=1)
 
 
+def _calls_per_layer(plan: Plan) -> list[int]:
+    """How often the plan calls each layer's forward in one training step (first forward included)."""
+    calls = [0] * plan.n
+    for action in plan.actions:
+        if action.op == "forward":
+            for layer in range(action.start, action.stop):
+                calls[layer] += 1
+    return calls
+
+
 class ScheduleExplorer(WidgetView):
     """Pick a chain length and a schedule; see the plan, and its measured peak and forward calls.
 
@@ -122,7 +132,8 @@ class ScheduleExplorer(WidgetView):
         result: what the current plan measured and what its theory says: ``"plan"``
             (its name), ``"n"``, ``"schedule"``, ``"parameter"`` (``None`` when unused),
             ``"peak_bytes"`` (the step's peak, measured), ``"forward_calls"`` (counted),
-            ``"theory_forward_calls"``, ``"forward_steps"`` (forwards that keep nothing),
+            ``"theory_forward_calls"``, ``"forward_calls_per_layer"`` and
+            ``"theory_forward_calls_per_layer"`` (lists, layer 0 first), ``"forward_steps"`` (forwards that keep nothing),
             ``"peak_checkpoints"``, ``"theory_peak_activations"`` and
             ``"theory_peak_bytes"`` (the activations the plan keeps at worst).
         curve: the trade-off curve at this n: one dict per plan of the family, with
@@ -210,9 +221,10 @@ class ScheduleExplorer(WidgetView):
         if self._chain is None or self._chain[0] != n:
             model = MLPChain(depth=n, width=self.width)
             batch = model.example_batch(batch=self.batch_size)
-            calls = [0]
-            for block in model.blocks:
-                block.register_forward_pre_hook(lambda _module, _args: calls.__setitem__(0, calls[0] + 1))
+            calls = [0] * n      # forward calls per layer, counted by pre-hooks
+            for layer, block in enumerate(model.blocks):
+                block.register_forward_pre_hook(lambda _module, _args, layer=layer: calls.__setitem__(
+                    layer, calls[layer] + 1))
             costs = [cost._replace(forward_s=1.0) for cost in measure_layer_costs(model.blocks, batch[0])]
             self._chain = (n, model, batch, calls, costs)
         return self._chain[1:]
@@ -241,15 +253,15 @@ class ScheduleExplorer(WidgetView):
         plan.name = f"plan_for_budget({parameter}% = {format_bytes(budget)})"
         return plan
 
-    def measure_plan(self, plan: Plan) -> tuple[int, int]:
-        """(peak bytes, forward calls) of one training step running ``plan`` (cached)."""
+    def measure_plan(self, plan: Plan) -> tuple[int, tuple[int, ...]]:
+        """(peak bytes, forward calls of each layer) of one training step running ``plan`` (cached)."""
         key = (plan.n, plan.body)
         if key not in self._measured:
             model, batch, calls, _ = self._chain_for(plan.n)
             model.checkpointing = plan
-            calls[0] = 0
+            calls[:] = [0] * plan.n
             report = measure(lambda: model.training_step(batch), timeline=False)
-            self._measured[key] = (report.peak_bytes, calls[0])
+            self._measured[key] = (report.peak_bytes, tuple(calls))
         return self._measured[key]
 
     def _curve_for(self, n: int) -> list[dict[str, Any]]:
@@ -266,7 +278,7 @@ class ScheduleExplorer(WidgetView):
                     continue  # a budget below what any plan needs at this n
                 peak, calls = self.measure_plan(plan)
                 points.append({"schedule": schedule, "parameter": parameter, "plan": plan.name,
-                               "peak_bytes": peak, "forward_calls": calls})
+                               "peak_bytes": peak, "forward_calls": sum(calls)})
             self._curves[n] = points
         return self._curves[n]
 
@@ -286,7 +298,8 @@ class ScheduleExplorer(WidgetView):
         costs = self._chain_for(n)[3]
         self.result = {
             "plan": plan.name, "n": n, "schedule": schedule, "parameter": parameter,
-            "peak_bytes": peak, "forward_calls": calls, "theory_forward_calls": plan.forward_calls,
+            "peak_bytes": peak, "forward_calls": sum(calls), "theory_forward_calls": plan.forward_calls,
+            "forward_calls_per_layer": list(calls), "theory_forward_calls_per_layer": _calls_per_layer(plan),
             "forward_steps": plan.forward_steps, "peak_checkpoints": plan.peak_slots,
             "theory_peak_activations": plan.peak_activations, "theory_peak_bytes": int(plan.peak_bytes(costs)),
         }
@@ -296,7 +309,8 @@ class ScheduleExplorer(WidgetView):
 
     def _readout(self) -> str:
         r = self.result
-        same = "equal" if r["forward_calls"] == r["theory_forward_calls"] else "<b>differ</b>"
+        same = ("equal, layer by layer" if r["forward_calls_per_layer"] == r["theory_forward_calls_per_layer"]
+                else "<b>differ</b>")
         cell = "style='padding:2px 10px; text-align:left; vertical-align:top'"
         rows = [
             ("", "measured", "theory (the plan)"),

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
 
 CELLS = ["from ckptlib.widgets import ScheduleExplorer\nexplorer = ScheduleExplorer(n=16, schedule='revolve')\n"
          "explorer"]
-CALLS = re.compile(r"layer forward calls\s+(\d+)\s+(\d+) \(equal")
+CALLS = re.compile(r"layer forward calls\s+(\d+)\s+(\d+) \(equal, layer by layer")
 
 
 def plot_source(page) -> str:
