@@ -130,6 +130,16 @@ def test_a_function_with_a_checkpoint_inside():
     assert stepper.peak_bytes == measure(lambda: fn(x).sum().backward()).peak_bytes
 
 
+def test_a_selective_rerun_skips_ops_so_its_packs_are_shown_together_and_say_so():
+    model = MLPChain(depth=2, width=8, checkpointing="selective")
+    stepper = BackwardStepper(model, batch=2)
+    reruns = [frame for frame in stepper.frames if frame["event"] == "pack" and frame["phase"] == "recompute"]
+    assert reruns and all(frame["text"].endswith("(where in the rerun is not known: its ops differ from "
+                                                 "the forward's)") for frame in reruns)
+    assert set(stepper.frames[-1]["states"].values()) == {"released"}
+    assert stepper.peak_bytes == step_peak(model)
+
+
 def test_every_op_can_get_a_frame_and_the_curve_keeps_its_peak(blocks):
     model, folded = blocks
     everything = BackwardStepper(model, batch=2, all_ops=True)

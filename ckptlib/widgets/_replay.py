@@ -596,11 +596,11 @@ def make_step(model_or_fn: Any, inputs: tuple, batch: int) -> Step:
                 f"BackwardStepper(model): {type(model).__name__} has no {', '.join(missing)}; pass a ckptlib "
                 "demo model (MLPChain, TinyTransformer), or a function and its inputs: "
                 "BackwardStepper(fn, x) replays fn(x).sum().backward().")
-        if model.checkpointing in ("torch", "selective"):
+        if model.checkpointing == "torch":
             raise ValueError(
-                f"BackwardStepper follows ckptlib.checkpoint's trace; checkpointing={model.checkpointing!r} "
-                + ("is torch.utils.checkpoint, which has no trace" if model.checkpointing == "torch" else
-                   "skips ops in its reruns") + ". Use 'none', 'block', 'sqrt' or a Plan.")
+                "BackwardStepper follows ckptlib.checkpoint's trace; checkpointing='torch' is "
+                "torch.utils.checkpoint, which has no trace. Use 'block' (the same schedule with "
+                "ckptlib.checkpoint), 'none', 'sqrt', 'selective' or a Plan.")
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be an integer >= 1, got {batch!r}.")
         data = model.example_batch(batch=batch)
