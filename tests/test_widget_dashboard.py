@@ -5,12 +5,15 @@ import threading
 
 import matplotlib.pyplot as plt
 import pytest
+import torch
 
 from ckptlib.models import MLPChain, TinyTransformer
 from ckptlib.widgets import MemoryDashboard
+from ckptlib.widgets.dashboard import TIMED_STEPS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-RECORD_KEYS = {"checkpointing", "schedule", "depth", "batch", "peak_bytes", "step_s", "loss", "device"}
+RECORD_KEYS = {"checkpointing", "schedule", "depth", "batch", "peak_bytes", "step_s", "step_s_range", "loss",
+               "device"}
 
 
 @pytest.fixture
@@ -43,6 +46,8 @@ def test_run_records_each_step_and_checkpointing_lowers_the_peak(dashboard):
         assert set(record) == RECORD_KEYS
         assert (record["depth"], record["batch"], record["device"]) == (4, 4, "cpu")
         assert record["step_s"] > 0 and record["peak_bytes"] > 0
+        low, high = record["step_s_range"]        # the median of the timed runs, and their spread
+        assert 0 < low <= record["step_s"] <= high
     assert [r["schedule"] for r in dashboard.history] == ["none", "none", "per block"]
     assert [r["checkpointing"] for r in dashboard.history] == [False, False, True]
     # The live-tensor meter is exact, so identical steps have identical peaks ...
@@ -71,7 +76,7 @@ def test_readout_plot_and_plot_data_describe_the_latest_step(dashboard):
     assert dashboard.peaks_data == {"checkpointing off, depth 4, batch 4": off_peak,
                                     "per block, depth 4, batch 4": on_peak}
     assert bytes(dashboard.plot.value).startswith(PNG_SIGNATURE)
-    assert dashboard.message.value == ""
+    assert dashboard.message_text == ""
 
 
 def test_peaks_data_lists_the_most_recently_run_setting_last(dashboard):
@@ -113,7 +118,7 @@ def test_a_model_passed_in_keeps_its_depth():
 def test_batch_zero_is_a_message_not_a_traceback(dashboard):
     dashboard.batch.value = 0
     assert dashboard.run() == []
-    assert dashboard.message.value.startswith("Batch is 0")
+    assert dashboard.message_text.startswith("Batch is 0")
     assert dashboard.history == [] and not dashboard.run_button.disabled
 
 
@@ -127,13 +132,13 @@ def test_a_step_above_the_memory_limit_stops_with_a_message_and_checkpointing_fi
 
     dashboard.checkpointing.value = False
     assert dashboard.run(steps=2) == []
-    assert dashboard.message.value.startswith("Does not fit (checkpointing off, depth 4, batch 4)")
-    assert "Turn checkpointing on" in dashboard.message.value
+    assert dashboard.message_text.startswith("Does not fit (checkpointing off, depth 4, batch 4)")
+    assert "Turn checkpointing on" in dashboard.message_text
     assert len(dashboard.history) == 2 and not dashboard.run_button.disabled
 
     dashboard.checkpointing.value = True
     assert len(dashboard.run(steps=1)) == 1
-    assert dashboard.message.value == ""
+    assert dashboard.message_text == ""
 
 
 def test_a_runtime_error_in_the_step_is_reported_and_the_next_run_works():
@@ -146,7 +151,7 @@ def test_a_runtime_error_in_the_step_is_reported_and_the_next_run_works():
 
     model.training_step = failing_step
     assert dashboard.run(steps=3) == []
-    assert dashboard.message.value == ("The step failed (checkpointing off, depth 2, batch 2): "
+    assert dashboard.message_text == ("The step failed (checkpointing off, depth 2, batch 2): "
                                        "RuntimeError: CUDA error: device-side assert triggered")
     assert not dashboard.run_button.disabled
     model.training_step = step
@@ -170,12 +175,14 @@ def test_clicks_and_toggles_during_a_run_neither_nest_nor_change_it():
     model.training_step = step_that_clicks
     records = dashboard.run(steps=2)
     model.training_step = step
-    # Two steps, each metered and timed: four calls, none of which started a run.
-    assert seen_during_run == [(True, [])] * 4
-    assert dashboard.message.value.startswith("A run is in progress")
+    # Two steps, each metered and timed, after one warm-up: none of the calls started a run.
+    calls = 2 + 1 + 2 * TIMED_STEPS
+    assert seen_during_run == [(True, [])] * calls
+    assert dashboard.message_text.startswith("A run is in progress")
     assert [r["schedule"] for r in records] == ["none", "none"]
     assert dashboard.history == records
-    # Four flips leave the toggle off; the next run uses whatever the controls say then.
+    # The flips changed nothing in the run; the next run uses whatever the controls say then.
+    assert dashboard.checkpointing.value == bool(calls % 2)
     dashboard.checkpointing.value = True
     assert [r["schedule"] for r in dashboard.run(steps=1)] == ["per block"]
     dashboard.close()
@@ -243,7 +250,76 @@ def test_every_schedule_runs_and_selective_sits_between_off_and_per_block(dashbo
     for schedule in dashboard.schedule.options:
         dashboard.schedule.value = schedule
         (record,) = dashboard.run(steps=1)
-        assert record["schedule"] == schedule and dashboard.message.value == ""
+        assert record["schedule"] == schedule and dashboard.message_text == ""
         peaks[schedule] = record["peak_bytes"]
     assert peaks["per block"] < peaks["selective (save matmuls)"] < peaks["none"]
     assert peaks["per block"] == peaks["per block (torch)"]
+
+
+def test_before_the_first_run_the_plot_is_a_picture_not_a_broken_image(dashboard):
+    assert bytes(dashboard.plot.value).startswith(PNG_SIGNATURE) and len(dashboard.plot.value) > 1000
+    assert dashboard.readout.value == "Press Run to measure a training step."
+
+
+def test_on_and_off_read_differently(dashboard):
+    off = (dashboard.checkpointing.description, dashboard.checkpointing.icon, dashboard.checkpointing.button_style)
+    dashboard.checkpointing.value = True
+    on = (dashboard.checkpointing.description, dashboard.checkpointing.icon, dashboard.checkpointing.button_style)
+    assert off == ("checkpointing: OFF", "times", "") and on == ("checkpointing: ON", "check", "success")
+
+
+def test_bars_hold_the_schedules_of_the_current_depth_and_batch_only(dashboard):
+    dashboard.run(steps=1)
+    dashboard.schedule.value = "sqrt(n)"
+    dashboard.run(steps=1)
+    assert list(dashboard.bars_data(4, 4)) == ["none", "sqrt(n)"]
+    dashboard.batch.value = 2
+    dashboard.run(steps=1)
+    # A new batch starts a new group: one bar, and the old group is still there to go back to.
+    assert list(dashboard.bars_data(4, 2)) == ["sqrt(n)"]
+    assert list(dashboard.bars_data(4, 4)) == ["none", "sqrt(n)"]
+    assert dashboard.bars_data(4, 2)["sqrt(n)"] is dashboard.history[-1]
+
+
+def test_a_setting_that_did_not_fit_is_kept_with_its_partial_timeline_and_off_still_compares(dashboard):
+    dashboard.run(steps=1)
+    off_peak = dashboard.history[-1]["peak_bytes"]
+    full_ops = len(dashboard.timeline_data)
+    dashboard.checkpointing.value = True
+    dashboard.run(steps=1)
+    limit = (off_peak + dashboard.history[-1]["peak_bytes"]) // 2
+    dashboard.memory_limit_bytes = limit
+    dashboard.checkpointing.value = False
+    assert dashboard.run(steps=1) == []
+    [failure] = dashboard.failures
+    assert failure["schedule"] == "none" and failure["limit_bytes"] == limit
+    assert failure["stopped_bytes"] > failure["limit_bytes"] and failure["op"].startswith("op #")
+    assert 0 < len(failure["timeline"]) < full_ops and dashboard.timeline_data == failure["timeline"]
+    assert failure["timeline"][-1].live_bytes == failure["stopped_bytes"]
+    assert "did not fit" in dashboard.readout.value
+    assert "<div" in dashboard.message.value and "white-space:normal" in dashboard.message.value
+    assert dashboard.bars_data(4, 4)["none"] is failure
+    # Per block fits; its readout compares with the off run that did not.
+    dashboard.checkpointing.value = True
+    [record] = dashboard.run(steps=1)
+    assert record["peak_bytes"] < dashboard.memory_limit_bytes
+    assert "| vs off: off did not fit (stopped at" in dashboard.readout.value
+    assert bytes(dashboard.plot.value).startswith(PNG_SIGNATURE)
+
+
+def test_torchs_rerun_is_coloured_as_recompute(dashboard):
+    dashboard.schedule.value = "per block (torch)"
+    dashboard.run(steps=1)
+    torch_recompute = [entry.op for entry in dashboard.timeline_data if entry.phase == "recompute"]
+    dashboard.schedule.value = "per block"
+    dashboard.run(steps=1)
+    ours = [entry.op for entry in dashboard.timeline_data if entry.phase == "recompute"]
+    # The same blocks rerun; torch also detaches what it recomputes.
+    assert [op for op in torch_recompute if op != "detach"] == [op for op in ours if op != "detach"]
+
+
+def test_a_model_without_what_the_dashboard_needs_is_a_type_error_at_construction():
+    with pytest.raises(TypeError, match=r"Linear has no blocks, checkpointing, example_batch, training_step"):
+        MemoryDashboard(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="needs an nn.Module, got str"):
+        MemoryDashboard("gpt2")

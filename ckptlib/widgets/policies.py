@@ -1,0 +1,279 @@
+"""Choose what a selective checkpoint keeps: tick the ops of a Transformer block, see what it costs.
+
+Design notes
+============
+
+The rows. One forward of the block runs under a dispatch mode that notes every op a
+selective checkpoint could keep: not views, not in-place ops, not ops whose output
+shares an input's memory (``ckptlib.selective_checkpoint`` never caches those). Calls
+are grouped by *signature*, the op and the shapes of its tensor inputs, the unit the cost
+policy of :func:`ckptlib.policy_from_costs` chooses in (the two residual adds of a block
+are one row with two calls). A row's bytes are its outputs' bytes; its time is the median
+of a few timed forwards.
+
+A selection is a policy. Ticked rows become ``policy(op, *args) -> bool``: keep the output
+of a call whose signature is ticked. It runs through ``selective_checkpoint`` around the
+block, beside three references: plain autograd (no checkpoint), full checkpointing
+(``ckptlib.checkpoint``), and the two ready-made choices, ``save_matmuls`` and the cost
+policy (``policy_from_costs(block, x, memory_ratio=0.5)``: at most half of what full
+checkpointing drops).
+
+What is shown, and what can be trusted. *Kept bytes* are exact: the live-tensor meter
+around the forward, minus the block's output (alive in every variant). *Ops rerun*
+counts the ops the meter sees in the recomputation phase (a replayed op is not run, and
+ops that only fed kept outputs are skipped). Both are deterministic. *Step time* is a
+median of five forward+backward steps after one warm-up: real, noisy, and on a CPU shared
+with a browser easily off by tens of percent; it is shown, never tested. The cost
+policy's choice rests on measured times too, so it may differ from machine to machine.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import ipywidgets as widgets
+import torch
+from matplotlib.figure import Figure
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ckptlib import checkpoint, policy_from_costs, save_matmuls, selective_checkpoint
+from ckptlib.memory import MemoryMeter, format_bytes
+from ckptlib.models import TinyTransformer
+from ckptlib.widgets._view import HIGHLIGHT, MUTED, WidgetView, png_bytes
+
+__all__ = ["PolicyExplorer"]
+
+Signature = tuple[Any, tuple[tuple[int, ...], ...]]   # (aten op overload, input shapes)
+TIMED_STEPS = 5
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def signature(op: Any, args: tuple) -> Signature:
+    """What a row stands for: the op and the shapes of its positional tensor inputs (as ``OpCall``)."""
+    return op, tuple(tuple(t.shape) for t in _tensors(args))
+
+
+class _OpRows(TorchDispatchMode):
+    """Notes each call a selective checkpoint could keep: signature, output bytes, seconds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Signature, int, float]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        elapsed_s = time.perf_counter() - start
+        outputs = _tensors(out)
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, tuple((kwargs or {}).values())))}
+        if not (func.is_view or func._schema.is_mutable or not outputs
+                or any(t.untyped_storage().data_ptr() in inputs for t in outputs)):
+            self.calls.append((signature(func, args), sum(t.numel() * t.element_size() for t in outputs),
+                               elapsed_s))
+        return out
+
+
+def _op_rows(block: torch.nn.Module, x: torch.Tensor, repeats: int = 3) -> list[dict[str, Any]]:
+    runs = []
+    for _ in range(1 + repeats):     # the first run warms up
+        with torch.enable_grad(), _OpRows() as recorder:
+            block(x)
+        runs.append(recorder.calls)
+    rows: dict[Signature, dict[str, Any]] = {}
+    for position, (call, nbytes, _) in enumerate(runs[0]):
+        row = rows.setdefault(call, {"signature": call, "op": call[0].__name__.split(".")[0],
+                                     "input_shapes": call[1], "calls": 0, "output_bytes": 0, "time_s": 0.0})
+        row["calls"] += 1
+        row["output_bytes"] += nbytes
+        row["time_s"] += statistics.median(run[position][2] for run in runs[1:])
+    return list(rows.values())
+
+
+class PolicyExplorer(WidgetView):
+    """Tick the ops of a Transformer block whose outputs a selective checkpoint keeps.
+
+    Args:
+        model: a ``TinyTransformer``; its first block is explored on a random input of
+            ``batch x seq x d_model``. Default: ``TinyTransformer(depth=1, d_model=64,
+            heads=4, seq=32)``.
+        batch: the input's batch size.
+
+    Attributes:
+        rows: one dict per op signature, in forward order: ``"op"``, ``"input_shapes"``,
+            ``"calls"``, ``"output_bytes"``, ``"time_s"`` (forward time of its calls),
+            ``"save_matmuls"`` and ``"cost_policy"`` (does that policy keep it?).
+        checkboxes: one ``Checkbox`` per row: ticked means kept.
+        result: the current selection measured: ``"kept_bytes"`` (exact), ``"rerun_ops"``
+            (calls of the table's ops the rerun computed, exact), ``"step_s"`` (median time of
+            a forward+backward step), ``"kept_rows"`` (indices of the ticked rows).
+        references: the same numbers for ``"plain"``, ``"full checkpoint"``,
+            ``"save_matmuls"`` and ``"cost policy"``.
+        tick_matmuls, tick_cost, clear: buttons that tick a ready-made choice, or nothing.
+
+    >>> explorer = PolicyExplorer(TinyTransformer(depth=1, d_model=16, heads=2, seq=8, vocab=20), batch=2)
+    >>> explorer.references["full checkpoint"]["kept_bytes"], explorer.result["kept_bytes"]
+    (0, 0)
+    >>> softmax = next(i for i, row in enumerate(explorer.rows) if row["op"] == "_softmax")
+    >>> explorer.checkboxes[softmax].value = True      # keep the attention weights
+    >>> explorer.result["kept_bytes"] == explorer.rows[softmax]["output_bytes"] == 2 * 2 * 8 * 8 * 4
+    True
+    """
+
+    def __init__(self, model: TinyTransformer | None = None, *, batch: int = 4) -> None:
+        if model is None:
+            model = TinyTransformer(depth=1, d_model=64, heads=4, seq=32, vocab=64)
+        blocks = getattr(model, "blocks", None)
+        if not isinstance(model, torch.nn.Module) or not blocks or not hasattr(blocks[0], "attn"):
+            raise TypeError(f"PolicyExplorer needs a TinyTransformer (its first block is explored), got "
+                            f"{type(model).__name__}.")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an integer >= 1, got {batch!r}.")
+        self.block = blocks[0]
+        d_model = self.block.ln1.normalized_shape[0]
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(batch, model.seq, d_model, generator=generator).requires_grad_()
+        self.rows = _op_rows(self.block, self.x)
+        self._op_names = {row["op"] for row in self.rows}
+        cost = policy_from_costs(self.block, self.x, memory_ratio=0.5)
+        chosen = {(call.op, call.input_shapes) for call in cost.chosen}
+        for row in self.rows:
+            row["save_matmuls"] = row["signature"][0] in save_matmuls
+            row["cost_policy"] = row["signature"] in chosen
+        self.references = {
+            "plain": self._measure(lambda: self.block(self.x)),
+            "full checkpoint": self._measure(lambda: checkpoint(self.block, self.x)),
+            "save_matmuls": self._measure(lambda: selective_checkpoint(self.block, self.x, policy=save_matmuls)),
+            "cost policy": self._measure(lambda: selective_checkpoint(self.block, self.x, policy=cost)),
+        }
+        self.result: dict[str, Any] = {}
+        self._holding = False
+
+        self.checkboxes = [widgets.Checkbox(value=False, indent=False, layout=widgets.Layout(width="24px"))
+                           for _ in self.rows]
+        for box in self.checkboxes:
+            box.observe(lambda _change: self._changed(), names="value")
+            box.add_class("ckptlib-policy-tick")
+        self.tick_matmuls = widgets.Button(description="tick save_matmuls")
+        self.tick_cost = widgets.Button(description="tick the cost policy")
+        self.clear = widgets.Button(description="clear")
+        self.tick_matmuls.on_click(lambda _button: self.select(lambda row: row["save_matmuls"]))
+        self.tick_cost.on_click(lambda _button: self.select(lambda row: row["cost_policy"]))
+        self.clear.on_click(lambda _button: self.select(lambda row: False))
+        self.summary = widgets.HTML()
+        self.plot = widgets.Image(format="png")
+        for name, widget in (("summary", self.summary), ("plot", self.plot), ("tick-matmuls", self.tick_matmuls),
+                             ("clear", self.clear)):
+            widget.add_class(f"ckptlib-policy-{name}")  # stable handles for the browser test
+        self.widget = widgets.VBox([widgets.HBox([self.tick_matmuls, self.tick_cost, self.clear]), self._table(),
+                                    widgets.Box([self.summary, self.plot],  # side by side where they fit
+                                                layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start"))])
+        self._figure = Figure(figsize=(5.4, 3.0), dpi=80)
+        self.update()
+
+    def _text(self) -> str:
+        return f"PolicyExplorer({len(self.rows)} op signatures, {len(self.result['kept_rows'])} kept)"
+
+    # -- measuring ----------------------------------------------------------------
+    def _measure(self, forward: Callable[[], torch.Tensor]) -> dict[str, Any]:
+        with MemoryMeter() as meter:
+            out = forward()
+            kept_bytes = meter.live_bytes - out.untyped_storage().nbytes()
+            out.sum().backward()
+            del out
+        # Replayed and skipped calls still show up as an op (a detach, an empty meta tensor):
+        # count the recomputed calls of the table's ops only.
+        rerun_ops = sum(entry.phase == "recompute" and entry.op in self._op_names for entry in meter.timeline)
+        seconds = []
+        for _ in range(1 + TIMED_STEPS):     # the first one warms up
+            began = time.perf_counter()
+            forward().sum().backward()
+            seconds.append(time.perf_counter() - began)
+        self.x.grad = None
+        for parameter in self.block.parameters():
+            parameter.grad = None
+        return {"kept_bytes": kept_bytes, "rerun_ops": rerun_ops, "step_s": statistics.median(seconds[1:])}
+
+    def policy(self) -> Callable[..., bool]:
+        """The ticked rows as a policy for ``selective_checkpoint``."""
+        kept = frozenset(row["signature"] for row, box in zip(self.rows, self.checkboxes) if box.value)
+        return lambda op, *args, **kwargs: signature(op, args) in kept
+
+    def select(self, keep: Callable[[dict[str, Any]], bool]) -> None:
+        """Tick exactly the rows ``keep(row)`` is true for, then measure once."""
+        self._holding = True
+        try:
+            for row, box in zip(self.rows, self.checkboxes):
+                box.value = keep(row)
+        finally:
+            self._holding = False
+        self.update()
+
+    def _changed(self) -> None:
+        if not self._holding:
+            self.update()
+
+    def update(self) -> None:
+        """Measure the ticked selection and redraw (called on every tick)."""
+        kept_rows = [i for i, box in enumerate(self.checkboxes) if box.value]
+        policy = self.policy()
+        self.result = {**self._measure(lambda: selective_checkpoint(self.block, self.x, policy=policy)),
+                       "kept_rows": kept_rows}
+        self.summary.value = self._summary()
+        self._draw()
+        self.plot.value = png_bytes(self._figure)
+
+    # -- showing ------------------------------------------------------------------
+    def _table(self) -> widgets.GridBox:
+        header = ["keep", "op", "input shapes", "calls", "output", "time", "save_matmuls", "cost policy"]
+        cells: list[widgets.Widget] = [widgets.HTML(f"<b>{title}</b>") for title in header]
+        for row, box in zip(self.rows, self.checkboxes):
+            shapes = ", ".join("x".join(map(str, shape)) for shape in row["input_shapes"])
+            cells += [box, widgets.HTML(f"<code>{row['op']}</code>"), widgets.HTML(f"<small>{shapes}</small>"),
+                      widgets.HTML(str(row["calls"])), widgets.HTML(format_bytes(row["output_bytes"])),
+                      widgets.HTML(f"{row['time_s'] * 1e6:.0f} µs"),
+                      widgets.HTML("✓" if row["save_matmuls"] else ""), widgets.HTML("✓" if row["cost_policy"] else "")]
+        return widgets.GridBox(cells, layout=widgets.Layout(
+            grid_template_columns="40px 150px 230px 40px 80px 64px 110px 90px", grid_gap="0 8px"))
+
+    def _variants(self) -> dict[str, dict[str, Any]]:
+        return {**self.references, "your selection": self.result}
+
+    def _summary(self) -> str:
+        cell = "style='padding:2px 8px; text-align:right; white-space:nowrap'"
+        rows = ["<tr><td></td>" + "".join(f"<td {cell}><b>{name}</b></td>" for name in self._variants()) + "</tr>"]
+        plain_s = self.references["plain"]["step_s"]
+        for label, show in (("kept for backward", lambda v: format_bytes(v["kept_bytes"])),
+                            ("calls rerun", lambda v: str(v["rerun_ops"])),
+                            ("step time", lambda v: f"{v['step_s'] * 1e3:.2f} ms"),
+                            ("rerun cost", lambda v: f"{(v['step_s'] - plain_s) * 1e3:+.2f} ms")):
+            rows.append(f"<tr><td {cell}>{label}</td>" + "".join(
+                f"<td {cell}>{show(variant)}</td>" for variant in self._variants().values()) + "</tr>")
+        return ("<table style='border-collapse:collapse'>" + "".join(rows) + "</table>"
+                f"<div style='max-width:520px; line-height:1.3'><small>Kept bytes and calls rerun are exact. Step time: median of {TIMED_STEPS} "
+                "forward+backward steps after a warm-up; rerun cost: step time minus plain's (both noisy)."
+                "</small></div>")
+
+    def _draw(self) -> None:
+        self._figure.clear()
+        kept_axes, time_axes = self._figure.subplots(
+            1, 2, sharey=True, gridspec_kw=dict(left=0.27, right=0.97, bottom=0.2, top=0.86, wspace=0.12))
+        names = list(self._variants())
+        colours = [HIGHLIGHT if name == "your selection" else MUTED for name in names]
+        kept = [variant["kept_bytes"] / 1024 for variant in self._variants().values()]
+        times = [variant["step_s"] * 1e3 for variant in self._variants().values()]
+        kept_axes.bar_label(kept_axes.barh(names, kept, color=colours), fmt="%.0f", fontsize="x-small", padding=2)
+        time_axes.bar_label(time_axes.barh(names, times, color=colours), fmt="%.2f", fontsize="x-small", padding=2)
+        kept_axes.set(xlabel="KiB kept for backward", title="Memory")
+        time_axes.set(xlabel="ms per step (median)", title="Time")
+        kept_axes.invert_yaxis()
+        for axes in (kept_axes, time_axes):
+            axes.title.set_fontsize("medium")
+            axes.set_xlim(0, max(max(kept if axes is kept_axes else times), 1e-9) * 1.3)

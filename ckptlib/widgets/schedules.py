@@ -1,0 +1,369 @@
+"""Explore checkpointing schedules for a chain of layers: each plan's picture, measured beside its theory.
+
+Design notes
+============
+
+The chain. An ``MLPChain`` of ``n`` blocks (Linear, then ReLU) with a batch large next
+to its width (128 x 32 by default): one activation is 16 KiB, one layer's weights 4 KiB,
+so what a schedule keeps shows in the step's peak instead of drowning in gradients.
+
+What is measured. One training step with ``model.checkpointing = plan`` (so
+``ckptlib.sequential.checkpoint_sequential`` runs the plan) under the live-tensor meter
+(``ckptlib.measure``: the step's peak), with a forward *pre*-hook on every block: a
+pre-hook sees a call that early stop cuts short, which is how ``Plan.forward_calls``
+counts. The theory is the plan's own: ``forward_calls``, ``peak_slots`` (checkpoints),
+``peak_activations`` and ``peak_bytes(costs)``, with the layer costs of
+``ckptlib.sequential.measure_layer_costs``. The two peaks are different things and are
+shown as such: the meter's is the whole step (activations, weight gradients, the tensors
+in flight); the plan's counts only the activations it keeps (checkpoints and recorded
+layers), an upper bound (``ckptlib.schedules``, "Memory model").
+
+Deterministic plans. ``plan_for_budget`` trades memory for forward time; the layers of
+the chain are alike, so each gets a forward time of 1 (a measured one, in microseconds,
+would make the chosen plan change from run to run).
+
+Fast updates. A step at n=64 under the meter takes up to 0.2 s (Revolve with one slot
+runs 2080 layer forwards). So every measurement is cached by the plan's body (two
+schedules that make the same plan, ``sqrt(16)`` and ``uniform k=4``, share it), and the
+trade-off curve, a fixed family of plans measured once per n, is computed when n is
+first shown. Moving the parameter slider then costs one measurement at most, and a redraw.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import ipywidgets as widgets
+import numpy as np
+from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+from ckptlib.memory import format_bytes, measure
+from ckptlib.models import MLPChain
+from ckptlib.schedules import LayerCost, Plan, Segment, plan_for_budget, recursive, revolve, sqrt_n, uniform
+from ckptlib.sequential import measure_layer_costs
+from ckptlib.widgets._view import HIGHLIGHT, MUTED, WidgetView, png_bytes
+
+__all__ = ["ScheduleExplorer", "SCHEDULES", "schedule_picture"]
+
+# schedule -> (what its parameter is, default value); None: the schedule takes no parameter
+SCHEDULES: dict[str, tuple[str, int] | None] = {
+    "none": None,
+    "uniform": ("k segments", 4),
+    "sqrt(n)": None,
+    "recursive": None,
+    "revolve": ("s slots", 3),
+    "budget": ("budget %", 50),
+}
+_MARKERS = {"none": "s", "uniform": "^", "sqrt(n)": "D", "recursive": "v", "revolve": "o", "budget": "P"}
+
+
+# What a cell of the schedule picture shows, in the order of its value.
+_PICTURE_KINDS = (("nothing", "white"), ("checkpoint held", "#A1D99B"), ("recorded, kept for backward", "#9ECAE1"),
+                  ("forward, keep nothing", "#969696"), ("forward, record", "#2171B5"), ("backward", "#CB181D"))
+_PICTURE_COLOURS = ListedColormap([colour for _, colour in _PICTURE_KINDS])
+
+
+def schedule_picture(plan: Plan) -> np.ndarray:
+    """The classic picture of a schedule as a ``layers x time`` array of :data:`_PICTURE_KINDS` values.
+
+    One column per layer step (a forward or a backward of one layer), in the order of
+    ``plan.actions``: the layer that runs, over the checkpoints held (row i: ``x_i``) and
+    the layers recorded and not yet reversed at that moment.
+
+    >>> schedule_picture(Plan([Segment(0, 2), 2]))     # checkpoint layers 0-1, record layer 2
+    array([[3, 1, 1, 1, 4, 2, 2, 5],
+           [0, 3, 0, 0, 0, 4, 5, 0],
+           [0, 0, 4, 5, 0, 0, 0, 0]], dtype=int8)
+    """
+    checkpoints: set[int] = set()
+    recorded: set[int] = set()
+    columns = []
+
+    def column(layer: int, kind: int) -> None:
+        cells = np.zeros(plan.n, dtype=np.int8)
+        cells[sorted(recorded)] = 2
+        cells[sorted(checkpoints)] = 1
+        cells[layer] = kind
+        columns.append(cells)
+
+    for action in plan.actions:
+        layers = range(action.start, action.stop)
+        if action.op == "store":
+            checkpoints.add(action.start)
+        elif action.op == "free":
+            checkpoints.discard(action.start)
+        elif action.op == "forward":
+            for layer in layers:
+                column(layer, 4 if action.keep else 3)
+                if action.keep:
+                    recorded.add(layer)
+        else:
+            for layer in reversed(layers):
+                recorded.discard(layer)
+                column(layer, 5)
+    return np.stack(columns, axis=1)
+
+
+def _calls_per_layer(plan: Plan) -> list[int]:
+    """How often the plan calls each layer's forward in one training step (first forward included)."""
+    calls = [0] * plan.n
+    for action in plan.actions:
+        if action.op == "forward":
+            for layer in range(action.start, action.stop):
+                calls[layer] += 1
+    return calls
+
+
+class ScheduleExplorer(WidgetView):
+    """Pick a chain length and a schedule; see the plan, and its measured peak and forward calls.
+
+    Args:
+        n: initial chain length (blocks of an ``MLPChain``).
+        schedule: initial schedule, one of :data:`SCHEDULES`.
+        width, batch: the chain's width and batch (activations should outweigh weights).
+        max_n: the n slider's range.
+
+    Attributes:
+        n, schedule, parameter: the controls (``IntSlider``, ``Dropdown``, ``IntSlider``).
+            ``parameter`` is k for "uniform", s for "revolve", the budget in percent of
+            the plain chain's activations for "budget", disabled for the others.
+        result: what the current plan measured and what its theory says: ``"plan"``
+            (its name), ``"n"``, ``"schedule"``, ``"parameter"`` (``None`` when unused),
+            ``"peak_bytes"`` (the step's peak, measured), ``"forward_calls"`` (counted),
+            ``"theory_forward_calls"``, ``"forward_calls_per_layer"`` and
+            ``"theory_forward_calls_per_layer"`` (lists, layer 0 first), ``"forward_steps"`` (forwards that keep nothing),
+            ``"peak_checkpoints"``, ``"theory_peak_activations"`` and
+            ``"theory_peak_bytes"`` (the activations the plan keeps at worst).
+        curve: the trade-off curve at this n: one dict per plan of the family, with
+            ``"schedule"``, ``"parameter"``, ``"plan"``, ``"peak_bytes"``, ``"forward_calls"``.
+        message: a ``Label``: why a setting could not run (a budget below what any plan needs).
+        plot: an ``Image``: the plan's picture and the trade-off curve.
+
+    >>> explorer = ScheduleExplorer(n=8)
+    >>> explorer.schedule.value = "revolve"
+    >>> explorer.parameter.value = 2
+    >>> explorer.result["plan"], explorer.result["forward_calls"], explorer.result["theory_forward_calls"]
+    ('revolve(8, slots=2)', 22, 22)
+    >>> explorer.schedule.value = "sqrt(n)"
+    >>> explorer.parameter.disabled
+    True
+    """
+
+    def __init__(self, n: int = 16, schedule: str = "revolve", *, width: int = 32, batch: int = 128,
+                 max_n: int = 64) -> None:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule={schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}.")
+        if not (isinstance(n, int) and isinstance(max_n, int) and 2 <= n <= max_n):
+            raise ValueError(f"need integers 2 <= n <= max_n, got n={n!r}, max_n={max_n!r}.")
+        self.width, self.batch_size = width, batch
+        self._measured: dict[tuple, tuple[int, int]] = {}
+        self._plans: dict[tuple, Plan] = {}
+        self._curves: dict[int, list[dict[str, Any]]] = {}
+        self._chain: tuple[int, MLPChain, Any, list[int], list[LayerCost]] | None = None
+        self.result: dict[str, Any] = {}
+        self.curve: list[dict[str, Any]] = []
+
+        self.schedule = widgets.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
+        self.n = widgets.IntSlider(value=n, min=2, max=max_n, description="n layers", continuous_update=False)
+        self.parameter = widgets.IntSlider(value=1, min=1, max=2, description="parameter", continuous_update=False,
+                                           style={"description_width": "initial"})
+        self.readout = widgets.HTML()
+        self.message = widgets.Label()
+        self.plot = widgets.Image(format="png")
+        for name, widget in (("schedule", self.schedule), ("n", self.n), ("parameter", self.parameter),
+                             ("readout", self.readout), ("message", self.message), ("plot", self.plot)):
+            widget.add_class(f"ckptlib-explorer-{name}")  # stable handles for the browser test
+        self._adjusting = False
+        self._fit_parameter(default=True)
+        self.schedule.observe(lambda _change: self._changed(schedule_changed=True), names="value")
+        self.n.observe(lambda _change: self._changed(), names="value")
+        self.parameter.observe(lambda _change: self._changed(), names="value")
+        self.widget = widgets.VBox([widgets.HBox([self.schedule, self.n, self.parameter]), self.readout,
+                                    self.message, self.plot])
+        self._figure = Figure(figsize=(11, 3.6), dpi=80)
+        self._drawn_n: int | None = None
+        self.update()
+
+    def _text(self) -> str:
+        return f"ScheduleExplorer({self.result.get('plan', '?')})"
+
+    # -- controls ---------------------------------------------------------------
+    def _fit_parameter(self, default: bool) -> None:
+        """Range, meaning and value of the parameter slider for the current schedule and n."""
+        what = SCHEDULES[self.schedule.value]
+        n = self.n.value
+        self._adjusting = True
+        try:
+            if what is None:
+                self.parameter.disabled, self.parameter.description = True, "(no parameter)"
+                return
+            name, value = what
+            low, high, step = {"k segments": (1, n, 1), "s slots": (1, max(1, n - 1), 1),
+                               "budget %": (5, 100, 5)}[name]
+            value = value if default else self.parameter.value
+            self.parameter.min, self.parameter.max = min(low, self.parameter.min), max(high, self.parameter.max)
+            self.parameter.step, self.parameter.value = step, min(max(value, low), high)
+            self.parameter.min, self.parameter.max = low, high
+            self.parameter.disabled, self.parameter.description = False, name
+        finally:
+            self._adjusting = False
+
+    def _changed(self, schedule_changed: bool = False) -> None:
+        if self._adjusting:
+            return
+        self._fit_parameter(default=schedule_changed)
+        self.update()
+
+    # -- the chain and its measurements -----------------------------------------------
+    def _chain_for(self, n: int) -> tuple[MLPChain, Any, list[int], list[LayerCost]]:
+        if self._chain is None or self._chain[0] != n:
+            model = MLPChain(depth=n, width=self.width)
+            batch = model.example_batch(batch=self.batch_size)
+            calls = [0] * n      # forward calls per layer, counted by pre-hooks
+            for layer, block in enumerate(model.blocks):
+                block.register_forward_pre_hook(lambda _module, _args, layer=layer: calls.__setitem__(
+                    layer, calls[layer] + 1))
+            costs = [cost._replace(forward_s=1.0) for cost in measure_layer_costs(model.blocks, batch[0])]
+            self._chain = (n, model, batch, calls, costs)
+        return self._chain[1:]
+
+    def plan_for(self, schedule: str, n: int, parameter: int | None) -> Plan:
+        """The plan a setting makes (``"none"``: every layer recorded, a plan without checkpoints)."""
+        key = (schedule, n, parameter)
+        if key not in self._plans:
+            self._plans[key] = self._make_plan(schedule, n, parameter)
+        return self._plans[key]
+
+    def _make_plan(self, schedule: str, n: int, parameter: int | None) -> Plan:
+        if schedule == "none":
+            return Plan(list(range(n)), name="none")
+        if schedule == "uniform":
+            return uniform(n, parameter)
+        if schedule == "sqrt(n)":
+            return sqrt_n(n)
+        if schedule == "recursive":
+            return recursive(n)
+        if schedule == "revolve":
+            return revolve(n, parameter)
+        costs = self._chain_for(n)[3]
+        budget = parameter / 100 * sum(cost.saved_bytes for cost in costs)
+        plan = plan_for_budget(costs, budget)
+        plan.name = f"plan_for_budget({parameter}% = {format_bytes(budget)})"
+        return plan
+
+    def measure_plan(self, plan: Plan) -> tuple[int, tuple[int, ...]]:
+        """(peak bytes, forward calls of each layer) of one training step running ``plan`` (cached)."""
+        key = (plan.n, plan.body)
+        if key not in self._measured:
+            model, batch, calls, _ = self._chain_for(plan.n)
+            model.checkpointing = plan
+            calls[:] = [0] * plan.n
+            report = measure(lambda: model.training_step(batch), timeline=False)
+            self._measured[key] = (report.peak_bytes, tuple(calls))
+        return self._measured[key]
+
+    def _curve_for(self, n: int) -> list[dict[str, Any]]:
+        if n not in self._curves:
+            family = [("none", None), ("sqrt(n)", None), ("recursive", None)]
+            family += [("uniform", k) for k in (2, 4, 8) if k < n]
+            family += [("revolve", s) for s in (1, 2, 4, 8) if s < n]
+            family += [("budget", percent) for percent in (25, 50)]
+            points = []
+            for schedule, parameter in family:
+                try:
+                    plan = self.plan_for(schedule, n, parameter)
+                except ValueError:
+                    continue  # a budget below what any plan needs at this n
+                peak, calls = self.measure_plan(plan)
+                points.append({"schedule": schedule, "parameter": parameter, "plan": plan.name,
+                               "peak_bytes": peak, "forward_calls": sum(calls)})
+            self._curves[n] = points
+        return self._curves[n]
+
+    # -- one update ---------------------------------------------------------------
+    def update(self) -> None:
+        """Measure (or look up) the current setting and redraw; called on every control change."""
+        schedule, n = self.schedule.value, self.n.value
+        parameter = None if SCHEDULES[schedule] is None else self.parameter.value
+        try:
+            plan = self.plan_for(schedule, n, parameter)
+        except ValueError as error:
+            self.message.value = f"{schedule} with {self.parameter.description} = {parameter}: {error}"
+            return
+        self.message.value = ""
+        self.curve = self._curve_for(n)
+        peak, calls = self.measure_plan(plan)
+        costs = self._chain_for(n)[3]
+        self.result = {
+            "plan": plan.name, "n": n, "schedule": schedule, "parameter": parameter,
+            "peak_bytes": peak, "forward_calls": sum(calls), "theory_forward_calls": plan.forward_calls,
+            "forward_calls_per_layer": list(calls), "theory_forward_calls_per_layer": _calls_per_layer(plan),
+            "forward_steps": plan.forward_steps, "peak_checkpoints": plan.peak_slots,
+            "theory_peak_activations": plan.peak_activations, "theory_peak_bytes": int(plan.peak_bytes(costs)),
+        }
+        self.readout.value = self._readout()
+        self._draw(plan)
+        self.plot.value = png_bytes(self._figure)
+
+    def _readout(self) -> str:
+        r = self.result
+        same = ("equal, layer by layer" if r["forward_calls_per_layer"] == r["theory_forward_calls_per_layer"]
+                else "<b>differ</b>")
+        cell = "style='padding:2px 10px; text-align:left; vertical-align:top'"
+        rows = [
+            ("", "measured", "theory (the plan)"),
+            ("layer forward calls", f"{r['forward_calls']}", f"{r['theory_forward_calls']} ({same}; "
+             f"{r['forward_steps']} of them recompute)"),
+            ("peak", f"{format_bytes(r['peak_bytes'])}<br><small>the whole step</small>",
+             f"at worst {r['theory_peak_activations']} activations kept, {r['peak_checkpoints']} of them "
+             f"checkpoints: {format_bytes(r['theory_peak_bytes'])} by the layers' measured costs "
+             "(an upper bound: parameters, gradients and tensors in flight not counted)"),
+        ]
+        body = "".join("<tr>" + "".join(f"<td {cell}>{value}</td>" for value in row) + "</tr>" for row in rows)
+        return (f"<b>{r['plan']}</b><table style='border-collapse:collapse; max-width:900px'>"
+                f"<colgroup><col style='width:150px'><col style='width:120px'><col></colgroup>{body}</table>")
+
+    def _draw(self, plan: Plan) -> None:
+        # The axes, legends and the curve's points are made once per n; an update only swaps
+        # the picture's data, moves the dot and rewrites the titles (clearing and rebuilding
+        # the figure cost more than drawing it).
+        if self._drawn_n != plan.n:
+            self._build_figure()
+        image = schedule_picture(plan)
+        self._picture.set_data(image)
+        self._picture.set_extent((-0.5, image.shape[1] - 0.5, -0.5, plan.n - 0.5))
+        self._picture_axes.set_title(f"{plan.name}: {plan.forward_steps} recomputed layer forwards, "
+                                     f"at most {plan.peak_slots} checkpoints", fontsize="medium")
+        r = self.result
+        self._dot.set_offsets([[r["forward_calls"], r["peak_bytes"] / self._scale]])
+        self._tradeoff_axes.set_ylim(0, max(p["peak_bytes"] for p in self.curve + [r]) / self._scale * 1.1)
+        calls = [p["forward_calls"] for p in self.curve + [r]]
+        self._tradeoff_axes.set_xlim(min(calls) / 1.3, max(calls) * 1.3)
+
+    def _build_figure(self) -> None:
+        self._figure.clear()
+        picture, tradeoff = self._figure.subplots(
+            1, 2, gridspec_kw=dict(width_ratios=(3, 2), left=0.06, right=0.98, bottom=0.33, top=0.9, wspace=0.2))
+        self._picture = picture.imshow(np.zeros((1, 1)), cmap=_PICTURE_COLOURS, vmin=0, vmax=len(_PICTURE_KINDS) - 1,
+                                       origin="lower", aspect="auto", interpolation="nearest")
+        picture.set(xlabel="time (layer forward and backward steps)", ylabel="layer i (row: its input x_i)")
+        picture.yaxis.set_major_locator(MaxNLocator(integer=True))
+        picture.legend(handles=[Patch(color=colour, label=label) for label, colour in _PICTURE_KINDS[1:]],
+                       loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=3, fontsize="small", frameon=False)
+        self._scale, unit = (2**20, "MiB") if max(p["peak_bytes"] for p in self.curve) >= 2**21 else (2**10, "KiB")
+        for schedule, marker in _MARKERS.items():
+            points = [p for p in self.curve if p["schedule"] == schedule]
+            if points:
+                tradeoff.scatter([p["forward_calls"] for p in points], [p["peak_bytes"] / self._scale for p in points],
+                                 marker=marker, color=MUTED, label=schedule, zorder=2)
+        self._dot = tradeoff.scatter([1], [0], s=140, color=HIGHLIGHT, zorder=3, edgecolor="black", label="this plan")
+        tradeoff.set_xscale("log")
+        tradeoff.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+        tradeoff.xaxis.set_major_formatter(FuncFormatter(lambda value, _position: f"{value:g}"))
+        tradeoff.xaxis.set_minor_formatter(NullFormatter())
+        tradeoff.set(xlabel="layer forward calls per step (log)", ylabel=f"step peak ({unit})")
+        tradeoff.set_title(f"Memory vs compute, all schedules at n={self.n.value}", fontsize="medium")
+        tradeoff.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=4, fontsize="small", frameon=False)
+        self._picture_axes, self._tradeoff_axes, self._drawn_n = picture, tradeoff, self.n.value

@@ -1,0 +1,217 @@
+"""BackwardStepper without a browser: frames, states and live bytes of one replayed training step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckptlib import checkpoint, measure, revolve
+from ckptlib.memory import MemoryMeter
+from ckptlib.models import MLPChain, TinyTransformer
+from ckptlib.widgets import BackwardStepper
+
+FRAME_KEYS = {"event", "phase", "text", "live_bytes", "tensor", "region", "op", "states"}
+TRACE_KINDS = {"pack", "forward_done", "recompute", "early_stop", "unpack", "release"}
+OP_EVENTS = {"forward_op", "recompute_op", "backward_op"}
+
+
+def step_peak(model: torch.nn.Module, batch: int = 2) -> int:
+    data = model.example_batch(batch=batch)
+    return measure(lambda: model.training_step(data)).peak_bytes
+
+
+def histories(stepper: BackwardStepper) -> dict[str, list[str]]:
+    """Each saved tensor's states, in order, without repeats."""
+    seen: dict[str, list[str]] = {}
+    for frame in stepper.frames:
+        for label, state in frame["states"].items():
+            if not seen.get(label) or seen[label][-1] != state:
+                seen.setdefault(label, []).append(state)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    model = MLPChain(depth=3, width=16, checkpointing="block")
+    return model, BackwardStepper(model, batch=2)
+
+
+def test_frames_have_the_documented_keys_and_kinds(blocks):
+    _, stepper = blocks
+    assert stepper.frames and all(set(frame) == FRAME_KEYS for frame in stepper.frames)
+    assert {frame["event"] for frame in stepper.frames} <= TRACE_KINDS | OP_EVENTS
+    assert {frame["phase"] for frame in stepper.frames} == {"forward", "recompute", "backward"}
+    assert all(isinstance(frame["live_bytes"], int) for frame in stepper.frames)
+    assert all(state in ("saved", "dropped", "recomputed", "released")
+               for frame in stepper.frames for state in frame["states"].values())
+
+
+def test_per_block_checkpointing_reruns_each_block_once_and_releases_everything(blocks):
+    model, stepper = blocks
+    recomputes = [frame for frame in stepper.frames if frame["event"] == "recompute"]
+    assert [frame["region"] for frame in recomputes] == ["block 2", "block 1", "block 0"]
+    assert len(recomputes) == len(model.blocks)
+    assert any("recomputed" in frame["states"].values() for frame in stepper.frames)
+    assert "recomputed" not in stepper.frames[-1]["states"].values()
+    assert set(stepper.frames[-1]["states"].values()) == {"released"}
+    # Every tensor a checkpoint drops comes back once and is released after its single use.
+    for label, states in histories(stepper).items():
+        if "#" in label and label.startswith("block"):
+            assert states == ["dropped", "recomputed", "released"], label
+
+
+def test_the_largest_live_bytes_is_the_meters_peak_for_the_same_step(blocks):
+    model, stepper = blocks
+    assert max(frame["live_bytes"] for frame in stepper.frames) == stepper.peak_bytes == step_peak(model)
+
+
+def test_rerun_packs_sit_inside_their_rerun_between_its_ops(blocks):
+    _, stepper = blocks
+    frames = stepper.frames
+    start = next(i for i, frame in enumerate(frames) if frame["event"] == "recompute")
+    end = next(i for i in range(start, len(frames)) if frames[i]["event"] == "unpack" and frames[i]["phase"] == "backward")
+    rerun = frames[start:end]
+    packs = [frame for frame in rerun if frame["event"] == "pack"]
+    assert [frame["text"] for frame in packs] == [
+        "block 2 rerun: packs tensor #0, 2x16 float32, 128 B",
+        "block 2 rerun: packs tensor #1, 16x16 float32, 1.00 KiB",
+        "block 2 rerun: packs tensor #2, 2x16 float32, 128 B",
+    ]
+    # relu saves its output: that pack comes after the rerun's relu, which made it.
+    events = [frame["op"] or frame["event"] for frame in rerun]
+    assert events.index("relu") < events.index("pack", events.index("addmm"))
+
+
+def test_without_checkpointing_nothing_is_dropped_and_saved_tensors_are_released_in_backward():
+    model = MLPChain(depth=3, width=16, checkpointing="none")
+    stepper = BackwardStepper(model, batch=2)
+    assert all("dropped" not in frame["states"].values() for frame in stepper.frames)
+    assert not any(frame["event"] in ("recompute", "early_stop") for frame in stepper.frames)
+    for label, states in histories(stepper).items():
+        assert states == ["saved", "released"], label
+    for frame in stepper.frames:
+        if frame["event"] == "release":
+            assert frame["phase"] == "backward"
+    assert stepper.peak_bytes == max(frame["live_bytes"] for frame in stepper.frames) == step_peak(model)
+
+
+def test_schedules_with_nested_checkpoints_place_every_rerun_pack():
+    model = MLPChain(depth=4, width=16, checkpointing=revolve(4, 2))
+    stepper = BackwardStepper(model, batch=2)
+    texts = [frame["text"] for frame in stepper.frames]
+    assert not any("not known" in text for text in texts)
+    # The nested checkpoint is run again inside its parent's rerun, keeping nothing.
+    assert any(text.startswith("layers[1:2] (rerun's copy) forward: drops tensor #0") for text in texts)
+    assert any(text.startswith("layers[1:2] rerun: loads its input, layers[1:3] #0") for text in texts)
+    assert set(stepper.frames[-1]["states"].values()) == {"released"}
+    assert stepper.peak_bytes == step_peak(model)
+
+
+def test_a_transformer_block_replays_with_the_same_peak():
+    model = TinyTransformer(depth=2, d_model=16, heads=2, seq=8, vocab=20, checkpointing="block")
+    stepper = BackwardStepper(model, batch=2, collapse="module")
+    assert sum(frame["event"] == "recompute" for frame in stepper.frames) == 2
+    assert stepper.peak_bytes == step_peak(model)
+    assert "<svg" in stepper.svg(len(stepper.frames) // 2)
+
+
+def test_a_function_with_a_checkpoint_inside():
+    x = torch.randn(3, requires_grad=True)
+
+    def fn(t):
+        return checkpoint(lambda u: u.sin().exp(), t).cos()
+
+    stepper = BackwardStepper(fn, x)
+    events = [frame["event"] for frame in stepper.frames if frame["region"] == "<lambda>"]
+    assert events[:3] == ["pack", "pack", "pack"] and events.count("recompute") == 1
+    assert stepper.frames[0]["text"] == "<lambda> starts: keeps its input, 3 float32, 12 B"
+    # The step ran for real: x.grad is d/dx cos(exp(sin x)).
+    assert torch.allclose(x.grad, -(x.sin().exp().sin()) * x.sin().exp() * x.cos())
+    x.grad = None
+    assert stepper.peak_bytes == measure(lambda: fn(x).sum().backward()).peak_bytes
+
+
+def test_a_selective_rerun_skips_ops_so_its_packs_are_shown_together_and_say_so():
+    model = MLPChain(depth=2, width=8, checkpointing="selective")
+    stepper = BackwardStepper(model, batch=2)
+    reruns = [frame for frame in stepper.frames if frame["event"] == "pack" and frame["phase"] == "recompute"]
+    assert reruns and all(frame["text"].endswith("(where in the rerun is not known: its ops differ from "
+                                                 "the forward's)") for frame in reruns)
+    assert set(stepper.frames[-1]["states"].values()) == {"released"}
+    assert stepper.peak_bytes == step_peak(model)
+
+
+def test_every_op_can_get_a_frame_and_the_curve_keeps_its_peak(blocks):
+    model, folded = blocks
+    everything = BackwardStepper(model, batch=2, all_ops=True)
+    assert len(everything.frames) > len(folded.frames)
+    assert max(f["live_bytes"] for f in everything.frames) == max(f["live_bytes"] for f in folded.frames)
+    assert [f["text"] for f in everything.frames if not f["event"].endswith("_op")] == \
+        [f["text"] for f in folded.frames if not f["event"].endswith("_op")]
+
+
+def test_the_stepper_leaves_nothing_alive_but_the_gradients():
+    # The forward-only pass drops its graph without a backward: a pack hook that stored the
+    # tensor itself would keep saved outputs alive through a reference cycle.
+    model = MLPChain(depth=3, width=16)
+    with MemoryMeter() as meter:
+        stepper = BackwardStepper(model, batch=2)
+    gradient_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    assert meter.live_bytes == gradient_bytes
+    stepper.close()
+
+
+def test_position_drives_the_view(blocks):
+    _, stepper = blocks
+    last = len(stepper.frames) - 1
+    assert (stepper.position.min, stepper.position.max, stepper.play.max) == (0, last, last)
+    assert stepper.prev_button.disabled and not stepper.next_button.disabled
+    first_graph, first_caption = stepper.graph_view.value, stepper.caption.value
+    recomputed = next(i for i, frame in enumerate(stepper.frames) if "recomputed" in frame["states"].values())
+    stepper.position.value = recomputed
+    assert stepper.frames[recomputed]["text"].replace(">", "&gt;") in stepper.caption.value
+    assert f"<b>{recomputed + 1}/{last + 1}</b>" in stepper.caption.value
+    assert stepper.graph_view.value != first_graph and "recomputed" in stepper.graph_view.value
+    stepper.next_button.click()
+    assert stepper.position.value == recomputed + 1
+    stepper.prev_button.click()
+    stepper.prev_button.click()
+    assert stepper.position.value == recomputed - 1
+    stepper.position.value = last
+    stepper.next_button.click()
+    assert stepper.position.value == last and stepper.next_button.disabled
+    stepper.position.value = 0
+    assert stepper.caption.value == first_caption
+
+
+def test_the_graph_at_a_frame_shows_each_saved_tensor_in_its_state(blocks):
+    _, stepper = blocks
+    last = stepper.graph_at(len(stepper.frames) - 1)
+    statuses = {saved.status for node in last.nodes for saved in node.saved}
+    assert statuses == {"freed"}
+    regions = {saved.region for node in last.nodes for saved in node.saved if saved.region}
+    assert regions == {"block 0", "block 1", "block 2"}
+    first = stepper.graph_at(0)
+    assert all(not node.saved for node in first.nodes)  # nothing is packed before the first event
+    # One picture per distinct set of states, whatever the position.
+    stepper.svg(3), stepper.svg(3), stepper.svg(4)
+    assert len(stepper._svg_cache) <= len({tuple(sorted(f["states"].items())) for f in stepper.frames})
+
+
+def test_what_the_stepper_cannot_replay_is_a_clear_error():
+    with pytest.raises(ValueError, match="checkpointing='torch' is torch.utils.checkpoint, which has no trace"):
+        BackwardStepper(MLPChain(depth=2, width=4, checkpointing="torch"))
+    with pytest.raises(TypeError, match=r"Linear has no loss, example_batch, checkpointing"):
+        BackwardStepper(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="no input requires grad"):
+        BackwardStepper(torch.sin, torch.randn(2))
+    with pytest.raises(ValueError, match="batch must be an integer >= 1, got 0"):
+        BackwardStepper(MLPChain(depth=2, width=4), batch=0)
+    with pytest.raises(TypeError, match="fn returned int"):
+        BackwardStepper(lambda t: 3, torch.randn(2, requires_grad=True))
+
+
+def test_display_gives_the_widget_view_and_a_stable_text(blocks):
+    _, stepper = blocks
+    bundle = stepper._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert bundle["text/plain"] == f"BackwardStepper({len(stepper.frames)} events, peak 3.44 KiB)"
