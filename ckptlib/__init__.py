@@ -52,6 +52,9 @@ _PUBLIC = {
     "MLPChain": "models",
     "TinyTransformer": "models",
     "MemoryDashboard": "widgets",
+    "BackwardStepper": "widgets",
+    "ScheduleExplorer": "widgets",
+    "PolicyExplorer": "widgets",
 }
 
 __all__ = sorted([*_PUBLIC, "checkpoint", "CheckpointError", "CheckpointTrace", "record_trace"])
