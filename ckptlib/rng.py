@@ -8,6 +8,16 @@ a snapshot of every generator the region may use, and at recomputation we run
 under that snapshot inside ``torch.random.fork_rng``, which puts the caller's
 generators back afterwards: recomputing never moves the caller's RNG stream.
 
+Threads. There is one CPU generator per process (and one per CUDA device), shared
+by all threads. A replay sets it, the region draws, ``fork_rng`` puts it back: if
+another thread draws or replays in between, both runs see each other's numbers and
+the recomputed dropout masks are not the forward's. ``in_use`` registers a
+checkpoint's forward and rerun as users of their generators, so a checkpoint can
+tell that another checkpoint in another thread used the same generator at the
+same time (``Use.overlapped``) and refuse, instead of giving wrong gradients
+(``torch.utils.checkpoint`` is silent there). Draws by code outside any checkpoint
+(plain dropout in another thread) do not register and cannot be seen.
+
 >>> import torch
 >>> state = capture([])
 >>> a = torch.rand(2)
@@ -19,8 +29,10 @@ True
 from __future__ import annotations
 
 import contextlib
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -50,19 +62,82 @@ def cuda_devices_of(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
 def capture(tensors: Iterable[torch.Tensor]) -> RNGState:
     """Snapshot the CPU generator and, when CUDA is initialised, the generators of
     the CUDA devices that ``tensors`` live on (plus the current device)."""
-    devices = cuda_devices_of(tensors)
+    tensors = list(tensors) if isinstance(tensors, Iterable) and not isinstance(tensors, torch.Tensor) else None
+    if tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError("capture: tensors must be a list (or other iterable) of tensors, e.g. the "
+                        "region's inputs; pass [] to capture the CPU generator only.")
+    return capture_devices(cuda_devices_of(tensors))
+
+
+def capture_devices(cuda_devices: tuple[int, ...]) -> RNGState:
+    """Snapshot the CPU generator and those of ``cuda_devices``."""
     return RNGState(
         cpu=torch.get_rng_state(),
-        cuda_devices=devices,
-        cuda_states=tuple(torch.cuda.get_rng_state(d) for d in devices),
+        cuda_devices=cuda_devices,
+        cuda_states=tuple(torch.cuda.get_rng_state(d) for d in cuda_devices),
     )
 
 
 @contextlib.contextmanager
-def replay(state: RNGState) -> Iterator[None]:
-    """Run the block with the generators set to ``state``; restore the caller's afterwards."""
-    with torch.random.fork_rng(devices=list(state.cuda_devices), enabled=True):
+def replay(state: RNGState) -> Iterator["Use"]:
+    """Run the block with the generators set to ``state``; restore the caller's afterwards.
+
+    Yields the block's :class:`Use` of the generators (see the notes on threads).
+    """
+    if not isinstance(state, RNGState):
+        raise TypeError(f"replay: state must be an RNGState from rng.capture(...), got {type(state).__name__}.")
+    with torch.random.fork_rng(devices=list(state.cuda_devices), enabled=True), in_use(state) as use:
         torch.set_rng_state(state.cpu)
         for device, device_state in zip(state.cuda_devices, state.cuda_states):
             torch.cuda.set_rng_state(device_state, device)
-        yield
+        yield use
+
+
+# ---------------------------------------------------------------------------
+# Threads: who else used the same generator meanwhile
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Use:
+    """One thread's use of some generators (``"cpu"``, ``("cuda", index)``) during a block."""
+
+    generators: frozenset
+    thread: int
+    overlapped: set = field(default_factory=set)  # generators another thread used meanwhile
+
+
+_users_lock = threading.Lock()
+_users: list[Use] = []
+
+
+def generators_of(state: RNGState) -> frozenset:
+    return frozenset(["cpu", *(("cuda", device) for device in state.cuda_devices)])
+
+
+@contextlib.contextmanager
+def in_use(state: RNGState) -> Iterator[Use]:
+    """Register the block as a user of ``state``'s generators; its ``Use.overlapped`` collects
+    the ones another thread registered for at the same time."""
+    use = Use(generators_of(state), threading.get_ident())
+    with _users_lock:
+        for other in _users:
+            shared = other.generators & use.generators
+            if other.thread != use.thread and shared:
+                other.overlapped |= shared
+                use.overlapped |= shared
+        _users.append(use)
+    try:
+        yield use
+    finally:
+        with _users_lock:
+            _users.remove(use)
+
+
+def drawn_from(before: RNGState, after: RNGState) -> set:
+    """The generators whose state differs between two snapshots of the same devices."""
+    drawn = {"cpu"} if not torch.equal(before.cpu, after.cpu) else set()
+    for device, first, second in zip(before.cuda_devices, before.cuda_states, after.cuda_states):
+        if not torch.equal(first, second):
+            drawn.add(("cuda", device))
+    return drawn
