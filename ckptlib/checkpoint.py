@@ -298,8 +298,9 @@ class _Frame:
         ptr = guards.storage_ptr(tensor)
         base = tensor._base
         leaf = tensor if tensor.is_leaf else base if base is not None and base.is_leaf else None
-        if leaf is not None:
+        if leaf is not None:   # a parameter (or weight.t()): its version is checked before a rerun
             self.reads.add_saved_leaf(leaf)
+        # Dropping a leaf, a view of one or an input's alias frees nothing: they live on anyway.
         holder = _Holder(self, len(self.weak_holders), leaf is None and not (ptr and ptr in self.input_ptrs))
         self.weak_holders.append(weakref.ref(holder))
         self.keys.append(guards.saved_key(tensor, ptr, self.input_ptrs))
@@ -320,7 +321,7 @@ class _Frame:
                 self.counted_storages[ptr] = StorageWeakRef(tensor.untyped_storage())
         self.emit("pack", holder.index, self.op_names.current, meta, detail)
 
-    def forward_done(self, rng_use: rng.Use | None) -> None:
+    def forward_done(self, rng_use: rng.in_use | None) -> None:
         self.op_names = None
         self.reads.after_forward()
         if rng_use is not None:
@@ -396,7 +397,7 @@ class _Frame:
     def _recompute_once(self, graph_task: int, last_needed: int) -> None:
         counter = itertools.count()
         rerun_input_ptrs: set[int] = set()   # filled by _rerun once it has the inputs back
-        rng_uses: list[rng.Use] = []
+        rng_uses: list[rng.in_use] = []
 
         def pack_recomputed(tensor: torch.Tensor) -> torch.Tensor:
             index = next(counter)
@@ -452,7 +453,7 @@ class _Frame:
                 f"the recomputation saved fewer tensors than the forward pass did (forward saved "
                 f"{len(self.keys)}, recomputation {saved}). {guards.MISMATCH_CAUSES}")))
 
-    def _rerun(self, rerun_input_ptrs: set[int], rng_uses: list[rng.Use]) -> None:
+    def _rerun(self, rerun_input_ptrs: set[int], rng_uses: list[rng.in_use]) -> None:
         inputs = self.saved_inputs()
         rerun_input_ptrs.update(guards.input_ptrs(inputs))
         leaves = self._leaves_with(inputs)
@@ -467,7 +468,7 @@ class _Frame:
         finally:
             _thread_state.recompute_depth -= 1
 
-    def _generators_shared(self, rng_uses: list[rng.Use]) -> str | None:
+    def _generators_shared(self, rng_uses: list[rng.in_use]) -> str | None:
         """Did another thread's checkpoint use a generator this region draws from meanwhile?"""
         overlap = self.rng_overlap.union(*(use.overlapped for use in rng_uses))
         drawn = rng.drawn_from(self.rng_state, self.rng_after) & overlap if overlap else set()
@@ -557,17 +558,22 @@ def _autocast(state) -> ContextManager:
 # ---------------------------------------------------------------------------
 
 
+def require_flag(caller: str, name: str, value: Any, *, none_ok: bool = False) -> None:
+    """A TypeError naming ``caller``'s argument ``name`` unless ``value`` is a bool (or None if ``none_ok``)."""
+    if isinstance(value, bool) or (none_ok and value is None):
+        return
+    accepted = "None or False" if none_ok else "True or False"
+    raise TypeError(f"{caller}: {name} must be {accepted}, got {value!r} ({type(value).__name__}).")
+
+
 def _check_arguments(fn: Any, flags: dict[str, Any], context_fn: Any, use_reentrant: Any) -> None:
     """Refuse bad arguments at the call, before anything runs."""
     if not callable(fn):
         raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
                         "Pass the function or module itself, e.g. checkpoint(block, x).")
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"checkpoint: {name} must be True or False, got {value!r} ({type(value).__name__}).")
-    if use_reentrant is not None and not isinstance(use_reentrant, bool):
-        raise TypeError(f"checkpoint: use_reentrant must be None or False, got {use_reentrant!r} "
-                        f"({type(use_reentrant).__name__}).")
+        require_flag("checkpoint", name, value)
+    require_flag("checkpoint", "use_reentrant", use_reentrant, none_ok=True)
     if use_reentrant:
         raise ValueError("ckptlib.checkpoint is always non-reentrant; drop use_reentrant=True "
                          "(or use torch.utils.checkpoint for the reentrant variant).")

@@ -68,7 +68,7 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -197,17 +197,27 @@ def _roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
     return found
 
 
-def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+def _add_tensors(obj: Any, found: list[torch.Tensor], modules_seen: set[int]) -> None:
+    """Add a tensor, or a module's parameters and buffers (its submodules' too), to ``found``.
+
+    (Reads the module's dicts itself: ``module.modules()`` costs more than the whole walk,
+    and this runs at every checkpoint call.)"""
     if isinstance(obj, torch.Tensor):
-        yield obj
+        found.append(obj)
         return
-    for module in obj.modules():
-        for tensor in module._parameters.values():
-            if tensor is not None:
-                yield tensor
-        for tensor in module._buffers.values():
-            if tensor is not None:
-                yield tensor
+    if id(obj) in modules_seen:
+        return
+    modules_seen.add(id(obj))
+    attributes = obj.__dict__
+    for tensor in attributes["_parameters"].values():
+        if tensor is not None:
+            found.append(tensor)
+    for tensor in attributes["_buffers"].values():
+        if tensor is not None:
+            found.append(tensor)
+    for child in attributes["_modules"].values():
+        if child is not None:
+            _add_tensors(child, found, modules_seen)
 
 
 class OutsideReads:
@@ -220,10 +230,13 @@ class OutsideReads:
     """
 
     def __init__(self, fn: Callable[..., Any], inputs: list[torch.Tensor]) -> None:
-        self.roots = _roots(fn)
+        self.roots = [(type(fn).__name__, fn)] if isinstance(fn, nn.Module) else _roots(fn)
         self.inputs = [(weakref.ref(t), t._version) for t in inputs]
-        reached = {id(t): t for _, obj in self.roots for t in _tensors_of(obj)}
-        self.read = [(t, t._version) for t in reached.values()]  # read-only until after_forward
+        reached: list[torch.Tensor] = []
+        modules_seen: set[int] = set()
+        for _, obj in self.roots:
+            _add_tensors(obj, reached, modules_seen)
+        self.read = [(t, t._version) for t in reached]  # read-only until after_forward
         self.written: list[torch.Tensor] = []
         self.saved_leaves: list[tuple[weakref.ReferenceType, int]] = []
 

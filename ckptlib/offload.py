@@ -69,6 +69,8 @@ from typing import Any
 
 import torch
 
+from ckptlib.checkpoint import require_flag
+
 __all__ = ["offload_saved_tensors"]
 
 
@@ -108,9 +110,7 @@ class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, pin_memory: bool = True) -> None:
-        if not isinstance(pin_memory, bool):
-            raise TypeError(f"offload_saved_tensors: pin_memory must be True or False, got {pin_memory!r} "
-                            f"({type(pin_memory).__name__}).")
+        require_flag("offload_saved_tensors", "pin_memory", pin_memory)
         self.pin_memory = pin_memory
         self.offloaded_bytes = 0
         self.kept_count = 0

@@ -14,7 +14,7 @@ another thread draws or replays in between, both runs see each other's numbers a
 the recomputed dropout masks are not the forward's. ``in_use`` registers a
 checkpoint's forward and rerun as users of their generators, so a checkpoint can
 tell that another checkpoint in another thread used the same generator at the
-same time (``Use.overlapped``) and refuse, instead of giving wrong gradients
+same time (``in_use.overlapped``) and refuse, instead of giving wrong gradients
 (``torch.utils.checkpoint`` is silent there). Draws by code outside any checkpoint
 (plain dropout in another thread) do not register and cannot be seen.
 
@@ -37,13 +37,23 @@ from typing import Iterator
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)    # not frozen: a frozen dataclass is slower to make, and two are made per call
 class RNGState:
     """The generators' states at one moment: always the CPU one, CUDA ones if CUDA is up."""
 
     cpu: torch.Tensor
     cuda_devices: tuple[int, ...] = ()
     cuda_states: tuple[torch.Tensor, ...] = field(default=())
+
+    @property
+    def generators(self) -> frozenset:
+        """Names of the generators this state covers: ``"cpu"`` and ``("cuda", index)``."""
+        if not self.cuda_devices:
+            return _CPU_ONLY
+        return frozenset(["cpu", *(("cuda", device) for device in self.cuda_devices)])
+
+
+_CPU_ONLY = frozenset(["cpu"])
 
 
 def cuda_devices_of(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
@@ -79,10 +89,10 @@ def capture_devices(cuda_devices: tuple[int, ...]) -> RNGState:
 
 
 @contextlib.contextmanager
-def replay(state: RNGState) -> Iterator["Use"]:
+def replay(state: RNGState) -> Iterator["in_use"]:
     """Run the block with the generators set to ``state``; restore the caller's afterwards.
 
-    Yields the block's :class:`Use` of the generators (see the notes on threads).
+    Yields the block's :class:`in_use` registration (see the notes on threads).
     """
     if not isinstance(state, RNGState):
         raise TypeError(f"replay: state must be an RNGState from rng.capture(...), got {type(state).__name__}.")
@@ -98,40 +108,35 @@ def replay(state: RNGState) -> Iterator["Use"]:
 # ---------------------------------------------------------------------------
 
 
-@dataclass
-class Use:
-    """One thread's use of some generators (``"cpu"``, ``("cuda", index)``) during a block."""
+class in_use:
+    """Context manager: register the block as a user of ``state``'s generators (``"cpu"``,
+    ``("cuda", index)``); ``overlapped`` collects those another thread registered for
+    while it ran. (A class, not a generator function: it runs twice per checkpoint.)"""
 
-    generators: frozenset
-    thread: int
-    overlapped: set = field(default_factory=set)  # generators another thread used meanwhile
+    __slots__ = ("generators", "thread", "overlapped")
+
+    def __init__(self, state: RNGState) -> None:
+        self.generators = state.generators
+        self.thread = threading.get_ident()
+        self.overlapped: set = set()
+
+    def __enter__(self) -> "in_use":
+        with _users_lock:
+            for other in _users:
+                shared = other.generators & self.generators
+                if shared and other.thread != self.thread:
+                    other.overlapped |= shared
+                    self.overlapped |= shared
+            _users.append(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with _users_lock:
+            _users.remove(self)
 
 
 _users_lock = threading.Lock()
-_users: list[Use] = []
-
-
-def generators_of(state: RNGState) -> frozenset:
-    return frozenset(["cpu", *(("cuda", device) for device in state.cuda_devices)])
-
-
-@contextlib.contextmanager
-def in_use(state: RNGState) -> Iterator[Use]:
-    """Register the block as a user of ``state``'s generators; its ``Use.overlapped`` collects
-    the ones another thread registered for at the same time."""
-    use = Use(generators_of(state), threading.get_ident())
-    with _users_lock:
-        for other in _users:
-            shared = other.generators & use.generators
-            if other.thread != use.thread and shared:
-                other.overlapped |= shared
-                use.overlapped |= shared
-        _users.append(use)
-    try:
-        yield use
-    finally:
-        with _users_lock:
-            _users.remove(use)
+_users: list[in_use] = []
 
 
 def drawn_from(before: RNGState, after: RNGState) -> set:

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ckptlib.checkpoint import checkpoint
+from ckptlib.checkpoint import checkpoint, require_flag
 from ckptlib.schedules import LayerCost, Plan, Segment, Step, uniform
 
 __all__ = ["checkpoint_sequential", "measure_layer_costs"]
@@ -74,12 +74,8 @@ def checkpoint_sequential(
         raise ValueError("checkpoint_sequential: modules is empty; pass at least one module (an empty chain "
                          "has nothing to run or checkpoint: use the input as it is).")
     plan = _as_plan(segments_or_plan, len(layers))
-    if not isinstance(preserve_rng_state, bool):
-        raise TypeError(f"checkpoint_sequential: preserve_rng_state must be True or False, got "
-                        f"{preserve_rng_state!r} ({type(preserve_rng_state).__name__}).")
-    if use_reentrant is not None and not isinstance(use_reentrant, bool):
-        raise TypeError(f"checkpoint_sequential: use_reentrant must be None or False, got {use_reentrant!r} "
-                        f"({type(use_reentrant).__name__}).")
+    require_flag("checkpoint_sequential", "preserve_rng_state", preserve_rng_state)
+    require_flag("checkpoint_sequential", "use_reentrant", use_reentrant, none_ok=True)
     if use_reentrant:
         raise ValueError("checkpoint_sequential runs ckptlib.checkpoint, which is always non-reentrant; "
                          "drop use_reentrant=True (or use torch.utils.checkpoint.checkpoint_sequential).")
