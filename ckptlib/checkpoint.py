@@ -51,11 +51,12 @@ each frame knowing only its own holders. This also works with
 
 torch.compile. Dynamo cannot trace Python saved-tensor hooks: a traced forward
 would save the compiled graph's tensors while the eager rerun saves others, and
-hand them over by position. So ``checkpoint`` is ``torch.compiler.disable``\\ d:
-inside a compiled function Dynamo breaks the graph around it and runs it
-eagerly, hooks and all, and compiles the code before and after it. With
-``fullgraph=True`` that break is an error. A compiled function *inside* a
-checkpoint runs compiled in forward and in the rerun alike.
+hand them over by position. So ``checkpoint`` is disabled for Dynamo (as by
+``torch.compiler.disable``; the end of this file says how): inside a compiled
+function Dynamo breaks the graph at the call, runs the checkpoint eagerly, hooks
+and all, and compiles the code before and after it. With ``fullgraph=True`` the
+break is an error that says so. A compiled function *inside* a checkpoint runs
+compiled in forward and in the rerun alike.
 
 Extension points (only selective checkpointing, ``ckptlib.policies``, uses them).
 ``context_fn`` gives a forward and a recomputation context, as in
@@ -595,9 +596,6 @@ def _contexts(context_fn: Callable[[], Any] | None) -> tuple[ContextManager, Con
     return contexts[0], contexts[1]
 
 
-@torch.compiler.disable(reason="ckptlib.checkpoint runs eagerly under torch.compile (Python saved-tensor hooks "
-                               "cannot be traced): drop fullgraph=True, or use torch.utils.checkpoint, which "
-                               "the compiler traces, inside a fullgraph region.")
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
@@ -636,6 +634,9 @@ def checkpoint(
     >>> torch.equal(w.grad, expected)
     True
     """
+    if torch.compiler.is_compiling():   # Dynamo is tracing this call: run it eagerly (see the notes)
+        return _checkpoint_outside_dynamo()(fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop,
+                                            debug=debug, context_fn=context_fn, use_reentrant=use_reentrant, **kwargs)
     _check_arguments(fn, {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop, "debug": debug},
                      context_fn, use_reentrant)
     if not torch.is_grad_enabled():
@@ -657,3 +658,23 @@ def checkpoint(
         )
     frame.forward_done(rng_use)
     return output
+
+
+# torch.compile: ``checkpoint`` must run eagerly, never traced (see the notes). Decorating it with
+# ``torch.compiler.disable`` would import Dynamo, a second, at every ``import ckptlib``. So the function
+# carries the two marks that decorator sets, which Dynamo reads where it meets a call (it then breaks the
+# graph there, and ``fullgraph=True`` reports the reason); should Dynamo trace into it anyway, the first
+# line hands over to the real decorated function, made when first needed.
+_COMPILE_REASON = ("ckptlib.checkpoint runs eagerly under torch.compile (Python saved-tensor hooks cannot be "
+                   "traced): drop fullgraph=True, or use torch.utils.checkpoint, which the compiler traces, "
+                   "inside a fullgraph region.")
+checkpoint._torchdynamo_disable = True   # type: ignore[attr-defined]
+checkpoint._torchdynamo_disable_msg = _COMPILE_REASON   # type: ignore[attr-defined]
+_disabled_checkpoint: Callable[..., Any] | None = None
+
+
+def _checkpoint_outside_dynamo() -> Callable[..., Any]:
+    global _disabled_checkpoint
+    if _disabled_checkpoint is None:
+        _disabled_checkpoint = torch.compiler.disable(checkpoint, reason=_COMPILE_REASON)
+    return _disabled_checkpoint

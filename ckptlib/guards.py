@@ -42,7 +42,10 @@ A tensor that the region itself modifies during its forward (BatchNorm's
 ``num_batches_tracked``) is state it *writes*, not an input: it is not checked,
 and what a rerun leaves behind is the next rerun's baseline. An optimizer step
 between forward and backward bumps the weights' versions and the rerun refuses,
-where plain autograd raises too (it saved the weights).
+where plain autograd raises too (it saved the weights). The check is conservative:
+it also refuses when the changed tensor would not have changed what the rerun
+saves (a bias whose layer's output nobody saves), where plain autograd is silent
+and right; a rerun after an in-place update of its weights is suspect either way.
 
 What the version check cannot see: tensors reached through a global variable,
 through an attribute of an object that is not a module (``checkpoint(obj.method,
@@ -75,7 +78,7 @@ import torch.nn as nn
 
 from ckptlib.trace import TensorMeta
 
-__all__ = ["StateUpdatedTwiceWarning", "OutsideReads", "saved_key", "key_mismatch", "storage_ptr",
+__all__ = ["StateUpdatedTwiceWarning", "OutsideReads", "saved_key", "key_mismatch", "storage_ptr", "input_ptrs",
            "MISMATCH_CAUSES"]
 
 MISMATCH_CAUSES = (
@@ -87,9 +90,9 @@ MISMATCH_CAUSES = (
 )
 
 INPUT = "an input of the region"
-PARAMETER = "a leaf that requires grad (a parameter)"
-CONSTANT = "a leaf that does not require grad (a constant)"
-VIEW = "a view of a tensor"
+PARAMETER = "a parameter (a leaf that requires grad)"
+CONSTANT = "a constant (a leaf that does not require grad)"
+VIEW = "view"
 
 
 class StateUpdatedTwiceWarning(UserWarning):
@@ -130,10 +133,14 @@ def input_ptrs(tensors: list[torch.Tensor]) -> set[int]:
 
 
 def _producer(key: tuple) -> str:
+    """How a key's tensor was made, in words that follow "a tensor" or "one"."""
     producer = key[3]
-    view, producer = producer if isinstance(producer, tuple) else ("", producer)
-    made = producer if isinstance(producer, str) else f"made by {producer.__name__}"
-    return f"{view} {made}" if view else made
+    is_view = isinstance(producer, tuple)
+    producer = producer[1] if is_view else producer
+    if isinstance(producer, str):
+        return f"that is a view of {producer}" if is_view else f"that is {producer}"
+    made = f"made by {producer.__name__}"
+    return f"that is a view of a tensor {made}" if is_view else made
 
 
 def key_mismatch(index: int, forward: tuple, rerun: tuple) -> str:
@@ -142,7 +149,7 @@ def key_mismatch(index: int, forward: tuple, rerun: tuple) -> str:
     if before != after:
         what = f"forward saved {before}, recomputation produced {after}"
     else:
-        what = (f"forward saved {before}, {_producer(forward)}; recomputation produced one "
+        what = (f"forward saved {before} {_producer(forward)}; recomputation produced one "
                 f"{_producer(rerun)} (same shape, another operation)")
     return f"saved tensor #{index} differs between forward and recomputation: {what}. {MISMATCH_CAUSES}"
 

@@ -8,6 +8,9 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
 import warnings
 from typing import NamedTuple
@@ -81,6 +84,23 @@ def test_fullgraph_compile_is_a_clear_error(quiet_dynamo):
     compiled = torch.compile(lambda t: checkpoint(torch.sin, t), backend="eager", fullgraph=True)
     with pytest.raises(torch._dynamo.exc.Unsupported, match="ckptlib.checkpoint runs eagerly under torch.compile"):
         compiled(torch.randn(3, requires_grad=True))
+
+
+def test_import_stays_cheap_and_fullgraph_names_the_reason_in_a_fresh_process():
+    # Importing Dynamo costs a second: ckptlib marks checkpoint as disabled without importing it.
+    script = textwrap.dedent("""
+        import sys, warnings, torch, ckptlib
+        assert "torch._dynamo" not in sys.modules, "import ckptlib imported Dynamo"
+        warnings.simplefilter("ignore")
+        try:
+            torch.compile(lambda t: ckptlib.checkpoint(torch.sin, t * 2), backend="eager", fullgraph=True)(
+                torch.randn(3, requires_grad=True))
+        except torch._dynamo.exc.Unsupported as error:
+            print(error)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "ckptlib.checkpoint runs eagerly under torch.compile" in result.stdout and "drop fullgraph=True" in result.stdout
 
 
 def small_mlp() -> nn.Sequential:
@@ -318,6 +338,16 @@ def test_sparse_tensors_as_input_and_saved_inside():
     expected = run(lambda f, *a: f(*a))
     assert_bitwise(run(checkpoint), expected)
     assert_bitwise(run(torch_nonreentrant), expected)
+
+
+def test_a_sparse_tensor_made_and_saved_inside_the_region():
+    torch.manual_seed(0)
+    a = torch.randn(5, 5, requires_grad=True)
+    w = torch.randn(5, 3, requires_grad=True)
+    region = lambda m, b: torch.sparse.mm(m.relu().to_sparse(), b).sin()   # noqa: E731  saves a sparse non-leaf
+    expected = gradients(lambda: region(a, w), (a, w))
+    assert_bitwise(gradients(lambda: checkpoint(region, a, w), (a, w)), expected)
+    assert_bitwise(gradients(lambda: torch_nonreentrant(region, a, w), (a, w)), expected)
 
 
 # ---------------------------------------------------------------------------
