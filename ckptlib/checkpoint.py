@@ -10,19 +10,20 @@ saves it and returns whatever should be stored instead; an *unpack* hook is
 called when backward needs the tensor and must give it back.
 
 Forward. ``checkpoint(fn, *args)`` runs ``fn`` under a pack hook that stores a
-small empty ``_Holder`` instead of the tensor, and records the tensor's
-metadata (shape, dtype, device). It also keeps what it needs to run ``fn``
-again: the inputs, the RNG state and the autocast state. No activation made
-inside ``fn`` outlives the forward pass (unless ``fn`` returns it).
+small empty ``_Holder`` instead of the tensor, and records the tensor's key
+(shape, dtype, device and which kind of node made it). It also keeps what it
+needs to run ``fn`` again: the inputs, the RNG state and the autocast state. No
+activation made inside ``fn`` outlives the forward pass (unless ``fn`` returns it).
 
 Backward. The first unpack in a backward pass finds its holder empty and
 recomputes: it runs ``fn`` again from the kept inputs under a second pack hook
 (the *recomputation* hook) that, for the i-th saved tensor, puts a detached
 copy into the i-th holder. The i-th save of the rerun is the i-th save of the
-forward because the rerun executes the same ops in the same order; the
-metadata check turns a violation of that (non-deterministic control flow,
-data-dependent shapes, changed global state) into a ``CheckpointError``
-instead of a silently wrong gradient.
+forward because the rerun executes the same ops in the same order. The guards
+(``ckptlib.guards``) turn a violation of that into a ``CheckpointError`` instead
+of a silently wrong gradient: each key is compared at every pack of the rerun,
+and before the rerun the versions of everything the region reads from outside
+(inputs, parameters, captured tensors) are compared with the forward's.
 
 Early stop. The rerun raises ``_StopRecomputation`` from the hook as soon as
 the last holder that backward can still ask for is filled: ops after it would
@@ -31,7 +32,9 @@ only produce tensors nobody needs.
 One use, then gone. An unpack hands the tensor over and forgets it, so each
 recomputed tensor lives from its recomputation until its node has run. Whatever
 a backward did not consume (``torch.autograd.grad`` on a subset of inputs) is
-dropped by a callback queued on the autograd engine when that backward ends.
+dropped by a callback queued on the autograd engine for that backward; if the
+backward fails, the engine drops the callback unrun, and its deletion does the
+same work, so a failed backward releases the recomputed tensors too.
 
 Per backward pass. Holders keep recomputed tensors per *graph task* (one call
 of ``backward``/``grad``), so ``retain_graph=True`` followed by a second
@@ -46,24 +49,31 @@ and come back when the outer region is recomputed. The hooks form a stack,
 each frame knowing only its own holders. This also works with
 ``torch.utils.checkpoint`` on either side.
 
-Contexts. ``context_fn`` gives a forward and a recomputation context, as in
-``torch.utils.checkpoint``. One extra, optional protocol: if the forward
-context has a method ``observe_saved_tensors()``, the frame calls it once and
-passes every tensor it packs to the callback it returns (if not ``None``). Selective
-checkpointing (``ckptlib.policies``) uses that to know which tensors the
-recomputation must produce, and skips the ops nothing needs. And the recompute
-context may raise ``RecomputeAgain`` to have the function run once more from
-the start (selective checkpointing does, with skipping off, when a skipped
-result turns out to be needed); a recomputed saved tensor on the *meta* device
-asks the context's ``recompute_again()`` whether to do the same.
+torch.compile. Dynamo cannot trace Python saved-tensor hooks: a traced forward
+would save the compiled graph's tensors while the eager rerun saves others, and
+hand them over by position. So ``checkpoint`` is disabled for Dynamo (as by
+``torch.compiler.disable``; the end of this file says how): inside a compiled
+function Dynamo breaks the graph at the call, runs the checkpoint eagerly, hooks
+and all, and compiles the code before and after it. With ``fullgraph=True`` the
+break is an error that says so. A compiled function *inside* a checkpoint runs
+compiled in forward and in the rerun alike.
 
-This file is the library's version of what notebook 03 builds step by step.
+Extension points (only selective checkpointing, ``ckptlib.policies``, uses them).
+``context_fn`` gives a forward and a recomputation context, as in
+``torch.utils.checkpoint``. If the forward context has a method
+``observe_saved_tensors()``, the frame calls it once and passes every tensor it
+packs to the callback it returns (if not ``None``). The recompute context may
+raise ``RecomputeAgain`` to have the function run once more from the start; a
+recomputed saved tensor on the *meta* device asks the context's
+``recompute_again()`` whether to do the same.
+
+The learner-facing trace (``record_trace``) lives in ``ckptlib.trace``. This
+file is the library's version of what notebook 03 builds step by step.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -73,11 +83,13 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ckptlib import rng
+from ckptlib import guards, rng
+from ckptlib.guards import StateUpdatedTwiceWarning
+from ckptlib.trace import CheckpointTrace, OpNames, TensorMeta, TraceEvent, publish, record_trace, tracing_active
 
 __all__ = [
     "checkpoint", "CheckpointError", "RecomputeAgain", "CheckpointTrace", "TraceEvent", "TensorMeta", "PackedInfo",
-    "record_trace", "peek_saved", "is_recomputing",
+    "StateUpdatedTwiceWarning", "record_trace", "peek_saved", "is_recomputing",
 ]
 
 
@@ -85,135 +97,12 @@ class CheckpointError(RuntimeError):
     """A checkpointed region could not give back what autograd saved in forward."""
 
 
-_MISMATCH_CAUSES = (
-    "Usual causes: non-deterministic control flow in the checkpointed function (branches on "
-    "random numbers, time or a global flag), data-dependent shapes (e.g. torch.nonzero on values "
-    "that changed), global state that changed between forward and backward (a module attribute, "
-    "train/eval mode), or an input modified in place after the forward pass. Make the function "
-    "depend only on its inputs, or keep its activations by not checkpointing it."
-)
-
-
-# ---------------------------------------------------------------------------
-# Metadata and the learner-facing trace
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """What is checked between forward and recomputation, plus the bytes for the trace."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    nbytes: int
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> "TensorMeta":
-        return cls.from_key(_key(tensor))
-
-    @classmethod
-    def from_key(cls, key: tuple) -> "TensorMeta":
-        shape, dtype, device = key
-        return cls(tuple(shape), dtype, device, math.prod(shape) * dtype.itemsize)
-
-    def __str__(self) -> str:
-        dims = "x".join(map(str, self.shape)) or "scalar"
-        dtype = str(self.dtype).replace("torch.", "")
-        return f"{dims} {dtype} on {self.device} ({self.nbytes} bytes)"
-
-
-@dataclass(frozen=True)
-class TraceEvent:
-    """One step of a checkpoint's life: pack, forward_done, recompute, early_stop, unpack, release."""
-
-    kind: str
-    region: str
-    index: int | None = None
-    op: str | None = None
-    meta: TensorMeta | None = None
-    detail: str = ""
-
-    def __str__(self) -> str:
-        parts = [f"[{self.region}] {self.kind}"]
-        if self.index is not None:
-            parts.append(f"#{self.index}")
-        if self.op:
-            parts.append(f"{self.op}")
-        if self.meta is not None:
-            parts.append(str(self.meta))
-        if self.detail:
-            parts.append(self.detail)
-        return " ".join(parts)
-
-
-class CheckpointTrace:
-    """Events recorded by :func:`record_trace`; ``print(trace)`` shows one per line."""
-
-    def __init__(self) -> None:
-        self.events: list[TraceEvent] = []
-        self._lock = threading.Lock()
-
-    def add(self, event: TraceEvent) -> None:
-        with self._lock:
-            self.events.append(event)
-
-    def count(self, kind: str) -> int:
-        return sum(event.kind == kind for event in self.events)
-
-    def __len__(self) -> int:
-        return len(self.events)
-
-    def __str__(self) -> str:
-        return "\n".join(map(str, self.events))
-
-    def __repr__(self) -> str:
-        kinds = ("pack", "recompute", "early_stop", "unpack", "release")
-        return "CheckpointTrace(" + ", ".join(f"{k}={self.count(k)}" for k in kinds) + ")"
-
-
-_active_traces: list[CheckpointTrace] = []
 _region_counter = itertools.count()
 _outside_backward_keys = itertools.count(start=1)
 
 
-@contextlib.contextmanager
-def record_trace() -> Iterator[CheckpointTrace]:
-    """Record what every checkpoint does inside the block (and in backward passes run in it).
-
-    >>> import torch
-    >>> x = torch.randn(3, requires_grad=True)
-    >>> with record_trace() as trace:
-    ...     checkpoint(lambda t: t.sin().cos(), x).sum().backward()
-    >>> trace.count("pack"), trace.count("recompute"), trace.count("unpack")
-    (2, 1, 2)
-    """
-    trace = CheckpointTrace()
-    _active_traces.append(trace)
-    try:
-        yield trace
-    finally:
-        _active_traces.remove(trace)
-
-
-class _OpNames(torch.overrides.TorchFunctionMode):
-    """Remembers the user-level op being called, so a pack can say who saved the tensor.
-
-    Only installed when tracing: ``torch.sin(x)`` and ``F.linear(...)`` are seen
-    here before autograd saves their tensors.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.current = "?"
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.current = getattr(func, "__name__", str(func))
-        return func(*args, **(kwargs or {}))
-
-
 # ---------------------------------------------------------------------------
-# The holder autograd stores, and one checkpoint call's frame
+# The holder autograd stores, and what inspection tools may see of it
 # ---------------------------------------------------------------------------
 
 
@@ -300,6 +189,7 @@ class _StopRecomputation(Exception):
     """Raised from the recomputation hook once every needed tensor is back."""
 
 
+# -- extension point (selective checkpointing) -------------------------------
 class RecomputeAgain(Exception):
     """Raised by a recompute context (``context_fn``) to have the checkpoint run the function
     again from the start, once. Selective checkpointing raises it when a result its rerun
@@ -336,45 +226,48 @@ class _InputSaver(torch.autograd.Function):
         return (None,) * (1 + len(ctx.saved_tensors))
 
 
+def _is_size(value: Any) -> bool:
+    # torch.Size is a registered pytree node that unflattens to a plain tuple: keep it whole.
+    return isinstance(value, torch.Size)
+
+
+# ---------------------------------------------------------------------------
+# One checkpoint call's frame
+# ---------------------------------------------------------------------------
+
+
 class _Frame:
     """Everything one ``checkpoint`` call needs to rerun its function later."""
 
-    def __init__(self, fn, args, kwargs, preserve_rng_state, early_stop, context_fn, debug) -> None:
+    def __init__(self, fn, args, kwargs, preserve_rng_state, early_stop, contexts, debug) -> None:
         self.fn = fn
         self.region_number = next(_region_counter)
-        if kwargs or any(isinstance(a, (list, tuple, dict)) for a in args):
-            leaves, self.spec = tree_flatten((args, kwargs))
-        else:  # the common case, flat positional arguments: skip the pytree machinery
+        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+            leaves, self.spec = tree_flatten((args, kwargs), is_leaf=_is_size)
+        else:  # the common case, tensors only: skip the pytree machinery
             leaves, self.spec = list(args), None
         self.tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         tensors = [leaves[i] for i in self.tensor_positions]
         self.other_leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-        # The originals, weakly, with their versions: an in-place change to one of them after
-        # forward would make the rerun compute from different values. (What comes back from
-        # saved_inputs may be a copy made by a pack hook, e.g. CPU offload, with its own version.)
-        self.input_versions = [(weakref.ref(t), t._version) for t in tensors]
+        self.reads = guards.OutsideReads(fn, tensors)
         self.saved_inputs: Callable[[], list[torch.Tensor]] | None = _save_inputs(tensors)
+        self.input_ptrs = guards.input_ptrs(tensors)  # saved tensors sharing these free nothing
         self.rng_state = rng.capture(tensors) if preserve_rng_state else None
+        self.rng_after: rng.RNGState | None = None
+        self.rng_overlap: set = set()   # generators another thread's checkpoint used during forward
         self.autocast = _autocast_state()
         self.early_stop = early_stop
-        # context_fn is called once: its two contexts may share state (selective checkpointing's
+        # context_fn was called once: its two contexts may share state (selective checkpointing's
         # cache), and the recompute context is entered again for every rerun.
-        self.forward_context, self.recompute_context = (
-            context_fn() if context_fn is not None else (contextlib.nullcontext(), contextlib.nullcontext()))
-        # A forward context may ask to see every tensor this frame drops (selective
-        # checkpointing uses it to rerun only the ops those tensors depend on).
-        observe = getattr(self.forward_context, "observe_saved_tensors", None)
+        self.forward_context, self.recompute_context = contexts
+        observe = getattr(self.forward_context, "observe_saved_tensors", None)  # extension point
         self.saved_observer: Callable[[torch.Tensor], None] | None = observe() if observe is not None else None
         self.debug = debug
         self.weak_holders: list[weakref.ReferenceType[_Holder]] = []
-        self.keys: list[tuple] = []  # (shape, dtype, device) of each saved tensor, in pack order
+        self.keys: list[tuple] = []  # guards.saved_key of each saved tensor, in pack order
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
-        self.op_names = _OpNames() if self.tracing else None
-        # Which saved tensors free no memory when dropped: those sharing storage with the inputs.
-        # (Skipped under torch.compile, where data pointers would break the traced graph.)
-        self.check_aliases = not torch.compiler.is_compiling()
-        self.kept_storages = {t.untyped_storage().data_ptr() for t in tensors} if self.check_aliases else set()
+        self.op_names = OpNames() if self.tracing else None
         self.freed_bytes = 0
         self.counted_storages: dict[int, StorageWeakRef] = {}  # a tensor saved twice frees its bytes once
 
@@ -392,39 +285,54 @@ class _Frame:
     # -- trace ------------------------------------------------------------
     @property
     def tracing(self) -> bool:
-        return self.debug or bool(_active_traces)
+        return self.debug or tracing_active()
 
     def emit(self, kind: str, index: int | None = None, op: str | None = None,
              meta: TensorMeta | None = None, detail: str = "") -> None:
-        if not self.tracing:
-            return
-        event = TraceEvent(kind, self.region, index, op, meta, detail)
-        for trace in list(_active_traces):
-            trace.add(event)
-        if self.debug:
-            print(event)
+        if self.tracing:
+            publish(TraceEvent(kind, self.region, index, op, meta, detail), echo=self.debug)
 
     # -- forward ----------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> _Holder:
         if self.saved_observer is not None:
             self.saved_observer(tensor)
-        frees_memory = not _aliases_kept_tensor(tensor, self.kept_storages) if self.check_aliases else True
-        holder = _Holder(self, len(self.weak_holders), frees_memory)
+        ptr = guards.storage_ptr(tensor)
+        base = tensor._base
+        leaf = tensor if tensor.is_leaf else base if base is not None and base.is_leaf else None
+        if leaf is not None:   # a parameter (or weight.t()): its version is checked before a rerun
+            self.reads.add_saved_leaf(leaf)
+        # Dropping a leaf, a view of one or an input's alias frees nothing: they live on anyway.
+        holder = _Holder(self, len(self.weak_holders), leaf is None and not (ptr and ptr in self.input_ptrs))
         self.weak_holders.append(weakref.ref(holder))
-        self.keys.append(_key(tensor))
+        self.keys.append(guards.saved_key(tensor, ptr, self.input_ptrs))
         if self.op_names is not None:
-            meta = self.meta(holder.index)
-            storage = tensor.untyped_storage()
-            earlier = self.counted_storages.get(storage.data_ptr())
-            if not holder.frees_memory:
-                detail = "dropped, but it is an input, a parameter or a view of one: frees nothing"
-            elif earlier is not None and not earlier.expired():
-                detail = "dropped (same storage as an earlier saved tensor: counted once)"
-            else:
-                detail, self.freed_bytes = "dropped", self.freed_bytes + meta.nbytes
-                self.counted_storages[storage.data_ptr()] = StorageWeakRef(storage)
-            self.emit("pack", holder.index, self.op_names.current, meta, detail)
+            self._trace_pack(holder, tensor, ptr)
         return holder
+
+    def _trace_pack(self, holder: _Holder, tensor: torch.Tensor, ptr: int | None) -> None:
+        meta = self.meta(holder.index)
+        earlier = self.counted_storages.get(ptr) if ptr else None
+        if not holder.frees_memory:
+            detail = "dropped, but it is an input, a parameter or a view of one: frees nothing"
+        elif earlier is not None and not earlier.expired():
+            detail = "dropped (same storage as an earlier saved tensor: counted once)"
+        else:
+            detail, self.freed_bytes = "dropped", self.freed_bytes + meta.nbytes
+            if ptr:
+                self.counted_storages[ptr] = StorageWeakRef(tensor.untyped_storage())
+        self.emit("pack", holder.index, self.op_names.current, meta, detail)
+
+    def forward_done(self, rng_use: rng.in_use | None) -> None:
+        self.op_names = None
+        self.reads.after_forward()
+        if rng_use is not None:
+            self.rng_after = rng.capture_devices(self.rng_state.cuda_devices)
+            self.rng_overlap = rng_use.overlapped
+        if not self.keys:
+            # Nothing was saved, so nothing will ever be recomputed: let the inputs go.
+            self.saved_inputs = None
+        self.emit("forward_done", detail=f"{len(self.keys)} saved tensors dropped, {self.freed_bytes} "
+                  "bytes of activations freed; kept the inputs, RNG and autocast state")
 
     # -- backward ---------------------------------------------------------
     def unpack(self, holder: _Holder) -> torch.Tensor:
@@ -464,6 +372,9 @@ class _Frame:
             self._forget(key)
 
     def recompute(self, graph_task: int, trigger: int) -> None:
+        changed = self.reads.changed()
+        if changed is not None:
+            raise CheckpointError(f"checkpoint {self.region}: {changed}")
         alive = [i for i, ref in enumerate(self.weak_holders) if ref() is not None]
         last_needed = alive[-1] if alive else -1
         self.emit("recompute", trigger, detail=f"rerunning {self.region} for {len(alive)} of "
@@ -471,12 +382,7 @@ class _Frame:
         self.recomputed_in.add(graph_task)
         self.recompute_count += 1
         if graph_task >= 0:
-            # Drop whatever this backward did not consume once it finishes. The callback holds
-            # the frame weakly: a frame (and the inputs it keeps) must die with its graph nodes,
-            # not live on until the end of the whole backward pass.
-            frame_ref = weakref.ref(self)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: _forget_if_alive(frame_ref, graph_task))
+            torch.autograd.Variable._execution_engine.queue_callback(_ReleaseUnused(self, graph_task))
         for attempt in (1, 2):
             try:
                 self._recompute_once(graph_task, last_needed)
@@ -491,12 +397,14 @@ class _Frame:
 
     def _recompute_once(self, graph_task: int, last_needed: int) -> None:
         counter = itertools.count()
+        rerun_input_ptrs: set[int] = set()   # filled by _rerun once it has the inputs back
+        rng_uses: list[rng.in_use] = []
 
         def pack_recomputed(tensor: torch.Tensor) -> torch.Tensor:
             index = next(counter)
             if not tensor.requires_grad:
                 detached = tensor
-            elif type(tensor) is torch.Tensor and not torch.compiler.is_compiling():
+            elif type(tensor) is torch.Tensor:
                 # A plain tensor's detach needs no Python dispatch: under a recompute context's
                 # dispatch mode (selective checkpointing) it would cost ~15 us per saved tensor.
                 with _NO_PYTHON_DISPATCH():
@@ -507,18 +415,16 @@ class _Frame:
                 raise CheckpointError(
                     f"checkpoint {self.region}: the recomputation saved more tensors than the "
                     f"forward pass did (forward saved {len(self.keys)}; extra tensor #{index}: "
-                    f"{TensorMeta.of(tensor)}). {_MISMATCH_CAUSES}"
+                    f"{TensorMeta.of(tensor)}). {guards.MISMATCH_CAUSES}"
                 )
-            if _key(tensor) != self.keys[index]:
-                again = getattr(self.recompute_context, "recompute_again", None)
+            key = guards.saved_key(tensor, guards.storage_ptr(tensor), rerun_input_ptrs)
+            if key != self.keys[index]:
+                again = getattr(self.recompute_context, "recompute_again", None)  # extension point
                 if tensor.device.type == "meta" and self.keys[index][2].type != "meta" and again is not None \
                         and again():
                     raise RecomputeAgain   # a result the context skipped was needed after all
-                raise CheckpointError(
-                    f"checkpoint {self.region}: saved tensor #{index} differs between forward and "
-                    f"recomputation: forward saved {self.meta(index)}, recomputation produced "
-                    f"{TensorMeta.of(tensor)}. {_MISMATCH_CAUSES}"
-                )
+                raise CheckpointError(f"checkpoint {self.region}: "
+                                      f"{guards.key_mismatch(index, self.keys[index], key)}")
             holder = self.weak_holders[index]()
             if holder is not None:
                 holder.recomputed[graph_task] = detached
@@ -530,8 +436,9 @@ class _Frame:
             return detached
 
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack_recomputed, _identity):
-                self._rerun()
+            with torch.autograd.graph.saved_tensors_hooks(pack_recomputed, _identity), \
+                    self.reads.around_rerun(self.region):
+                self._rerun(rerun_input_ptrs, rng_uses)
         except _StopRecomputation:
             pass
         except RecomputeAgain:
@@ -539,41 +446,41 @@ class _Frame:
         except BaseException:
             self._forget(graph_task)
             raise
+        shared = self._generators_shared(rng_uses)
         saved = next(counter)
-        if saved <= last_needed:
+        if shared or saved <= last_needed:
             self._forget(graph_task)
-            raise CheckpointError(
-                f"checkpoint {self.region}: the recomputation saved fewer tensors than the forward "
-                f"pass did (forward saved {len(self.keys)}, recomputation {saved}). "
-                f"{_MISMATCH_CAUSES}"
-            )
+            raise CheckpointError(f"checkpoint {self.region}: " + (shared or (
+                f"the recomputation saved fewer tensors than the forward pass did (forward saved "
+                f"{len(self.keys)}, recomputation {saved}). {guards.MISMATCH_CAUSES}")))
 
-    def _rerun(self) -> None:
-        inputs = self.load_inputs()
+    def _rerun(self, rerun_input_ptrs: set[int], rng_uses: list[rng.in_use]) -> None:
+        inputs = self.saved_inputs()
+        rerun_input_ptrs.update(guards.input_ptrs(inputs))
         leaves = self._leaves_with(inputs)
         args, kwargs = tree_unflatten(leaves, self.spec) if self.spec is not None else (leaves, {})
         rng_context = rng.replay(self.rng_state) if self.rng_state is not None else contextlib.nullcontext()
         _thread_state.recompute_depth += 1
         try:
-            with rng_context, torch.enable_grad(), _autocast(self.autocast), self.recompute_context:
+            with rng_context as rng_use, torch.enable_grad(), _autocast(self.autocast), self.recompute_context:
+                if rng_use is not None:
+                    rng_uses.append(rng_use)
                 self.fn(*args, **kwargs)
         finally:
             _thread_state.recompute_depth -= 1
 
-    def load_inputs(self) -> list[torch.Tensor]:
-        if self.saved_inputs is None:  # pragma: no cover - only when nothing was saved
-            raise CheckpointError(f"checkpoint {self.region}: inputs were released")
-        inputs = self.saved_inputs()
-        for position, (original_ref, version) in enumerate(self.input_versions):
-            original = original_ref()
-            if original is not None and original._version != version:
-                raise CheckpointError(
-                    f"checkpoint {self.region}: input tensor #{position} "
-                    f"({TensorMeta.of(original)}) was modified in place after the checkpointed "
-                    f"forward (version {version} -> {original._version}); recomputing from it would "
-                    "give wrong activations. Clone the input before modifying it, or modify a copy."
-                )
-        return inputs
+    def _generators_shared(self, rng_uses: list[rng.in_use]) -> str | None:
+        """Did another thread's checkpoint use a generator this region draws from meanwhile?"""
+        overlap = self.rng_overlap.union(*(use.overlapped for use in rng_uses))
+        drawn = rng.drawn_from(self.rng_state, self.rng_after) & overlap if overlap else set()
+        if not drawn:
+            return None
+        return (f"another thread's checkpoint used the random number generator ({', '.join(map(str, drawn))}) "
+                "while this region's forward or recomputation ran, and this region draws random numbers "
+                "(dropout): the generator is shared by all threads, so the recomputation cannot replay the "
+                "forward's draws and its gradients would be wrong. Run checkpointed steps that draw random "
+                "numbers in one thread at a time (a lock around forward and backward), or use processes "
+                "instead of threads.")
 
     def _leaves_with(self, inputs: list[torch.Tensor]) -> list[Any]:
         leaves = list(self.other_leaves)
@@ -592,30 +499,33 @@ class _Frame:
             self.emit("release", detail=f"{released} recomputed tensors not needed by this backward")
 
 
+class _ReleaseUnused:
+    """Queued on the autograd engine for one backward: drops the recomputed tensors it did not use.
+
+    The engine calls it when that backward ends. If the backward fails, the engine drops its
+    callbacks unrun, and the deletion does the same work. It holds the frame weakly: a frame
+    (and the inputs it keeps) must die with its graph nodes, not live on until the whole
+    backward pass ends.
+    """
+
+    __slots__ = ("frame_ref", "graph_task")
+
+    def __init__(self, frame: _Frame, graph_task: int) -> None:
+        self.frame_ref, self.graph_task = weakref.ref(frame), graph_task
+
+    def __call__(self) -> None:
+        frame = self.frame_ref()
+        if frame is not None:
+            frame._forget(self.graph_task)
+
+    __del__ = __call__
+
+
 _NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 
 
 def _identity(x):
     return x
-
-
-def _aliases_kept_tensor(tensor: torch.Tensor, kept_storages: set[int]) -> bool:
-    """Does dropping ``tensor`` free nothing? True for leaves (parameters), views of leaves
-    (``weight.t()``) and anything sharing storage with the checkpoint's inputs, which are kept."""
-    if tensor.is_leaf or (tensor._base is not None and tensor._base.is_leaf):
-        return True
-    return tensor.untyped_storage().data_ptr() in kept_storages
-
-
-def _forget_if_alive(frame_ref: "weakref.ReferenceType[_Frame]", graph_task: int) -> None:
-    frame = frame_ref()
-    if frame is not None:
-        frame._forget(graph_task)
-
-
-def _key(tensor: torch.Tensor) -> tuple:
-    # What must match between forward and recomputation; cheap enough to take at every pack.
-    return (tensor.shape, tensor.dtype, tensor.device)
 
 
 def _current_node_name() -> str | None:
@@ -649,6 +559,43 @@ def _autocast(state) -> ContextManager:
 # ---------------------------------------------------------------------------
 
 
+def require_flag(caller: str, name: str, value: Any, *, none_ok: bool = False) -> None:
+    """A TypeError naming ``caller``'s argument ``name`` unless ``value`` is a bool (or None if ``none_ok``)."""
+    if isinstance(value, bool) or (none_ok and value is None):
+        return
+    accepted = "None or False" if none_ok else "True or False"
+    raise TypeError(f"{caller}: {name} must be {accepted}, got {value!r} ({type(value).__name__}).")
+
+
+def _check_arguments(fn: Any, flags: dict[str, Any], context_fn: Any, use_reentrant: Any) -> None:
+    """Refuse bad arguments at the call, before anything runs."""
+    if not callable(fn):
+        raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
+                        "Pass the function or module itself, e.g. checkpoint(block, x).")
+    for name, value in flags.items():
+        require_flag("checkpoint", name, value)
+    require_flag("checkpoint", "use_reentrant", use_reentrant, none_ok=True)
+    if use_reentrant:
+        raise ValueError("ckptlib.checkpoint is always non-reentrant; drop use_reentrant=True "
+                         "(or use torch.utils.checkpoint for the reentrant variant).")
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError(f"checkpoint: context_fn must be None or a function returning two context managers "
+                        f"(forward_context, recompute_context), got {type(context_fn).__name__}.")
+
+
+def _contexts(context_fn: Callable[[], Any] | None) -> tuple[ContextManager, ContextManager]:
+    if context_fn is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    contexts = context_fn()
+    if not (isinstance(contexts, (tuple, list)) and len(contexts) == 2
+            and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in contexts)):
+        shown = repr(contexts) if len(repr(contexts)) < 80 else type(contexts).__name__
+        raise TypeError("checkpoint: context_fn must return two context managers (forward_context, "
+                        f"recompute_context), e.g. lambda: (contextlib.nullcontext(), my_context()); "
+                        f"it returned {shown}.")
+    return contexts[0], contexts[1]
+
+
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
@@ -662,9 +609,9 @@ def checkpoint(
     """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute them in backward.
 
     Args:
-        fn: any callable; ``args`` and ``kwargs`` may be nested tuples, lists and
-            dicts holding tensors, numbers, strings or ``None``; its return value is
-            passed back untouched.
+        fn: any callable; ``args`` and ``kwargs`` may be nested tuples, lists,
+            dicts (any pytree) holding tensors, numbers, strings, ``None``, dtypes or
+            sizes; its return value is passed back untouched.
         preserve_rng_state: replay the CPU (and initialised CUDA) RNG state during
             recomputation so dropout draws the same mask. The caller's RNG stream is
             never moved by the recomputation.
@@ -674,7 +621,8 @@ def checkpoint(
             under in forward and in recomputation (as in ``torch.utils.checkpoint``).
         use_reentrant: accepted for drop-in compatibility; only ``False``/``None``.
 
-    Gradients equal plain autograd bitwise; under ``torch.no_grad()`` this is a plain call.
+    Gradients equal plain autograd bitwise; under ``torch.no_grad()`` this is a plain
+    call. Under ``torch.compile`` it runs eagerly between compiled graphs (see the notes).
 
     >>> import torch
     >>> x = torch.randn(8, 8, requires_grad=True)
@@ -686,19 +634,20 @@ def checkpoint(
     >>> torch.equal(w.grad, expected)
     True
     """
-    if not callable(fn):
-        raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
-                        "Pass the function or module itself, e.g. checkpoint(block, x).")
-    if use_reentrant:
-        raise ValueError("ckptlib.checkpoint is always non-reentrant; drop use_reentrant=True "
-                         "(or use torch.utils.checkpoint for the reentrant variant).")
+    if torch.compiler.is_compiling():   # Dynamo is tracing this call: run it eagerly (see the notes)
+        return _checkpoint_outside_dynamo()(fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop,
+                                            debug=debug, context_fn=context_fn, use_reentrant=use_reentrant, **kwargs)
+    _check_arguments(fn, {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop, "debug": debug},
+                     context_fn, use_reentrant)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
 
-    frame = _Frame(fn, args, kwargs, preserve_rng_state, early_stop, context_fn, debug)
+    frame = _Frame(fn, args, kwargs, preserve_rng_state, early_stop, _contexts(context_fn), debug)
     op_names = frame.op_names if frame.op_names is not None else contextlib.nullcontext()
+    rng_context = rng.in_use(frame.rng_state) if preserve_rng_state else contextlib.nullcontext()
     cuda_was_up = torch.cuda.is_initialized()
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), frame.forward_context, op_names:
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), frame.forward_context, op_names, \
+            rng_context as rng_use:
         output = fn(*args, **kwargs)
     if preserve_rng_state and not cuda_was_up and torch.cuda.is_initialized():
         raise CheckpointError(
@@ -707,11 +656,25 @@ def checkpoint(
             "checkpointing (e.g. torch.cuda.init(), or move the model to the GPU first), or pass "
             "preserve_rng_state=False."
         )
-    frame.op_names = None
-    if not frame.keys:
-        # Nothing was saved, so nothing will ever be recomputed: let the inputs go.
-        frame.saved_inputs = None
-    if frame.tracing:
-        frame.emit("forward_done", detail=f"{len(frame.keys)} saved tensors dropped, {frame.freed_bytes} "
-                   "bytes of activations freed; kept the inputs, RNG and autocast state")
+    frame.forward_done(rng_use)
     return output
+
+
+# torch.compile: ``checkpoint`` must run eagerly, never traced (see the notes). Decorating it with
+# ``torch.compiler.disable`` would import Dynamo, a second, at every ``import ckptlib``. So the function
+# carries the two marks that decorator sets, which Dynamo reads where it meets a call (it then breaks the
+# graph there, and ``fullgraph=True`` reports the reason); should Dynamo trace into it anyway, the first
+# line hands over to the real decorated function, made when first needed.
+_COMPILE_REASON = ("ckptlib.checkpoint runs eagerly under torch.compile (Python saved-tensor hooks cannot be "
+                   "traced): drop fullgraph=True, or use torch.utils.checkpoint, which the compiler traces, "
+                   "inside a fullgraph region.")
+checkpoint._torchdynamo_disable = True   # type: ignore[attr-defined]
+checkpoint._torchdynamo_disable_msg = _COMPILE_REASON   # type: ignore[attr-defined]
+_disabled_checkpoint: Callable[..., Any] | None = None
+
+
+def _checkpoint_outside_dynamo() -> Callable[..., Any]:
+    global _disabled_checkpoint
+    if _disabled_checkpoint is None:
+        _disabled_checkpoint = torch.compiler.disable(checkpoint, reason=_COMPILE_REASON)
+    return _disabled_checkpoint

@@ -36,8 +36,17 @@ Compared with ``torch.autograd.graph.save_on_cpu(pin_memory=...)``:
   (``copy_`` without ``non_blocking``); here it is asynchronous when pinned;
 * ``save_on_cpu`` copies into a contiguous tensor; here the copy keeps the
   original strides (``empty_like``), so backward formulas see the same layout;
-* here, ``offloaded_bytes`` and ``kept_count`` say what happened.
+* here, ``offloaded_bytes`` and ``kept_count`` say what happened;
+* here, a saved tensor modified in place after forward is an error at unpack, as in
+  plain autograd; ``save_on_cpu`` hands backward the modified values (on a CPU, where it
+  keeps the tensor itself) or the stale copy, silently.
 Both copy a tensor saved twice (say, by two ops) twice.
+
+Saved-tensor hooks switch autograd's in-place check off: autograd compares a saved
+tensor's version counter at unpack only when it stores the tensor itself. So the pack
+hook keeps the version (of the tensor it keeps, or of the original it copied, held
+weakly) and the unpack hook compares it, with autograd's wording. A copy is checked
+only while its original is alive; its values are the forward's either way.
 
 With ``ckptlib.checkpoint``. Entered around checkpointed blocks, the hook only
 sees what checkpoint saves itself: the blocks' *inputs* (checkpoint's own pack
@@ -55,9 +64,12 @@ only one block's activations at a time.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
+
+from ckptlib.checkpoint import require_flag
 
 __all__ = ["offload_saved_tensors"]
 
@@ -98,6 +110,7 @@ class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, pin_memory: bool = True) -> None:
+        require_flag("offload_saved_tensors", "pin_memory", pin_memory)
         self.pin_memory = pin_memory
         self.offloaded_bytes = 0
         self.kept_count = 0
@@ -108,19 +121,49 @@ class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         return self
 
     def _pack(self, tensor: torch.Tensor) -> Any:
+        version = _Version(tensor)
         if not _frees_device_memory(tensor):
             self.kept_count += 1
             # detach(): stored as is, a saved *output* would hold its own grad_fn, a reference
             # cycle that outlives the graph when no backward runs. Unpack re-attaches autograd.
-            return tensor.detach()
+            # The detached tensor shares the original's version counter.
+            return tensor.detach(), version
         pinned = self.pin_memory and tensor.device.type == "cuda"
         self.offloaded_bytes += tensor.nbytes
-        return (tensor.device, _host_copy(tensor, pinned), pinned)
+        return (tensor.device, _host_copy(tensor, pinned), pinned), version
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host, pinned = packed
+        stored, version = packed
+        version.check(stored if isinstance(stored, torch.Tensor) else None)
+        if isinstance(stored, torch.Tensor):
+            return stored
+        device, host, pinned = stored
         # copy=True: a fresh tensor even where `device` is the CPU, so backward never
         # holds (or modifies) the host buffer a retained graph will read again.
         return host.to(device, non_blocking=pinned, copy=True)
+
+
+class _Version:
+    """A saved tensor's version at pack, to check at unpack as autograd would (see the notes)."""
+
+    __slots__ = ("version", "original", "node")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.version = tensor._version
+        self.original = weakref.ref(tensor)   # only read when the kept tensor is a copy
+        self.node = type(tensor.grad_fn) if tensor.grad_fn is not None else None
+
+    def check(self, kept: torch.Tensor | None) -> None:
+        tensor = kept if kept is not None else self.original()
+        if tensor is None or tensor._version == self.version:
+            return
+        made = f", which is the output of {self.node.__name__}," if self.node is not None else ""
+        node = torch._C._current_autograd_node()
+        needed = f" needed by {node.name()}" if node is not None else ""
+        raise RuntimeError(
+            "offload_saved_tensors: one of the variables needed for gradient computation has been "
+            f"modified by an inplace operation: a saved tensor [{tensor.dtype}, shape {list(tensor.shape)}]"
+            f"{made}{needed} is at version {tensor._version}; expected version {self.version} instead. "
+            "It was changed in place after the forward pass saved it (plain autograd raises the same "
+            "error). Modify a clone instead (y = y.clone() before the in-place op), or do the in-place "
+            "update after backward.")

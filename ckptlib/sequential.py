@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ckptlib.checkpoint import checkpoint
+from ckptlib.checkpoint import checkpoint, require_flag
 from ckptlib.schedules import LayerCost, Plan, Segment, Step, uniform
 
 __all__ = ["checkpoint_sequential", "measure_layer_costs"]
@@ -70,7 +70,12 @@ def checkpoint_sequential(
     ValueError: checkpoint_sequential: segments=7 must be between 1 and the number of modules (6); with k segments, the first k-1 are checkpointed.
     """
     layers = _as_layers(modules)
+    if not layers:
+        raise ValueError("checkpoint_sequential: modules is empty; pass at least one module (an empty chain "
+                         "has nothing to run or checkpoint: use the input as it is).")
     plan = _as_plan(segments_or_plan, len(layers))
+    require_flag("checkpoint_sequential", "preserve_rng_state", preserve_rng_state)
+    require_flag("checkpoint_sequential", "use_reentrant", use_reentrant, none_ok=True)
     if use_reentrant:
         raise ValueError("checkpoint_sequential runs ckptlib.checkpoint, which is always non-reentrant; "
                          "drop use_reentrant=True (or use torch.utils.checkpoint.checkpoint_sequential).")
@@ -144,11 +149,17 @@ def measure_layer_costs(modules: Modules, input: Any, *, repeat: int = 3) -> lis
     >>> [(cost.input_bytes, cost.saved_bytes) for cost in costs]    # 4 x 8 float32 = 128 bytes
     [(128, 128), (128, 128)]
     """
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat must be an integer >= 1, got {repeat!r}.")
+    if isinstance(repeat, bool) or not isinstance(repeat, int):
+        raise TypeError(f"measure_layer_costs: repeat must be an integer >= 1, got {repeat!r} "
+                        f"({type(repeat).__name__}).")
+    if repeat < 1:
+        raise ValueError(f"measure_layer_costs: repeat must be an integer >= 1, got {repeat!r}.")
+    layers = _as_layers(modules)
+    if not layers:
+        raise ValueError("measure_layer_costs: modules is empty; pass the layers to measure.")
     costs = []
     x = _fresh_input(input)
-    for layer in _as_layers(modules):
+    for layer in layers:
         own = {t.untyped_storage().data_ptr() for t in _state_tensors(layer)}
         saved: dict[int, int] = {}
 

@@ -1,6 +1,8 @@
 """Offloading saved tensors to host memory (ckptlib.offload)."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -167,3 +169,56 @@ def test_kept_tensors_do_not_outlive_a_graph_dropped_without_backward():
     del y
     gc.collect()
     assert ref.expired(), "the saved output kept itself alive through its grad_fn"
+
+
+# ---------------------------------------------------------------------------
+# In-place changes after forward: an error at unpack, as in plain autograd
+# ---------------------------------------------------------------------------
+
+
+def saved_then_modified(context):
+    """``a`` is saved by sin, then changed in place before backward: d(sum(sin(a)))/dx."""
+    x = torch.randn(6, requires_grad=True)
+    with context:
+        a = x * 2
+        y = a.sin()
+    with torch.no_grad():
+        a.mul_(3.0)
+    return x, y, a
+
+
+def test_save_on_cpu_is_silent_where_offload_raises():
+    x, y, _ = saved_then_modified(contextlib.nullcontext())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):   # plain autograd
+        y.sum().backward()
+    x, y, _ = saved_then_modified(torch.autograd.graph.save_on_cpu())
+    y.sum().backward()                                    # torch: no error, and a wrong gradient
+    assert not torch.equal(x.grad, 2 * (2 * x.detach()).cos())
+    x, y, _ = saved_then_modified(offload_saved_tensors())
+    with pytest.raises(RuntimeError, match="offload_saved_tensors: one of the variables needed for gradient "
+                                           "computation has been modified by an inplace operation: a saved tensor "
+                                           "\\[torch.float32, shape \\[6\\]\\], which is the output of MulBackward0, "
+                                           "needed by SinBackward0 is at version 1; expected version 0 instead"):
+        y.sum().backward()
+
+
+def test_a_copied_saved_tensor_modified_in_place_raises_too(cpu_as_device):
+    # The copy holds the forward's values; the check needs the original alive (here: `a`).
+    x, y, a = saved_then_modified(offload_saved_tensors())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*Modify a clone instead"):
+        y.sum().backward()
+
+
+def test_a_parameter_updated_before_backward_raises():
+    layer = nn.Linear(4, 4)
+    with offload_saved_tensors():
+        y = layer(torch.randn(2, 4, requires_grad=True)).sum()     # addmm saves weight.t() for the input's grad
+    with torch.no_grad():
+        layer.weight.add_(1.0)                             # an optimizer step before backward
+    with pytest.raises(RuntimeError, match="needed by AddmmBackward0 is at version"):
+        y.backward()
+
+
+def test_pin_memory_must_be_a_bool():
+    with pytest.raises(TypeError, match="pin_memory must be True or False, got 'yes' \\(str\\)"):
+        offload_saved_tensors(pin_memory="yes")

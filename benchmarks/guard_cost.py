@@ -1,0 +1,178 @@
+"""What the forward-vs-rerun guards cost: one checkpointed block, forward and backward.
+
+    python benchmarks/guard_cost.py [--rounds 40] [--json benchmarks/results/guard_cost.json]
+
+Variants, on an MLPChain block (Linear + ReLU, width 256, batch 8) and a TinyTransformer
+block (d_model 128, 4 heads, seq 64, batch 8):
+
+* plain: no checkpoint;
+* torch: ``torch.utils.checkpoint(block, x, use_reentrant=False)``;
+* ckptlib: ``ckptlib.checkpoint(block, x)`` as shipped;
+* ckptlib, guards off: the same with the guards added for issue 13 switched off *in this
+  script only* (monkeypatched): no producer in the saved-tensor key, no versions of what the
+  region reads beyond its inputs, no state-written-twice watch, no generator registration,
+  no argument checks. That is the checkpoint as it was before the guards (the one other
+  addition, a ``torch.compiler.is_compiling()`` test per call, stays: about 0.1 us).
+
+Timing: one torch thread, this process's CPU time (the machine is shared), interleaved
+rounds (each round runs every variant once, in a rotating order) and the median over rounds
+of the time per training step of the block, with its quartiles (the spread between rounds:
+on a shared machine differences inside it are noise).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+import ckptlib
+from ckptlib import guards, rng
+from ckptlib.models import MLPChain, TinyTransformer
+
+checkpoint_module = sys.modules["ckptlib.checkpoint"]
+
+
+class _InputsOnly(guards.OutsideReads):
+    """What the checkpoint read-checked before the guards: its inputs' versions, nothing else."""
+
+    def __init__(self, fn, inputs) -> None:
+        self.roots, self.read, self.written, self.saved_leaves = [], [], [], []
+        self.inputs = [(weakref.ref(t), t._version) for t in inputs]
+
+    def add_saved_leaf(self, leaf) -> None:
+        pass
+
+    def after_forward(self) -> None:
+        pass
+
+    def around_rerun(self, region):
+        return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _no_generator_use(state) -> Iterator[None]:
+    yield None
+
+
+@contextlib.contextmanager
+def guards_off() -> Iterator[Callable]:
+    """The checkpoint without the issue-13 guards (see the module docstring)."""
+    patches = [
+        (guards, "OutsideReads", _InputsOnly),
+        (guards, "saved_key", lambda tensor, ptr, input_ptrs: (tensor.shape, tensor.dtype, tensor.device)),
+        (rng, "in_use", _no_generator_use),
+        (checkpoint_module, "_check_arguments", lambda *args: None),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield checkpoint_module.checkpoint
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
+
+
+def blocks() -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
+    mlp = MLPChain(depth=1, width=256)
+    transformer = TinyTransformer(depth=1, d_model=128, heads=4, seq=64)
+    torch.manual_seed(0)
+    return {
+        "MLPChain block (width 256, batch 8)": (mlp.blocks[0], torch.randn(8, 256)),
+        "TinyTransformer block (d_model 128, seq 64, batch 8)": (transformer.blocks[0], torch.randn(8, 64, 128)),
+    }
+
+
+def step(run: Callable, block: torch.nn.Module, x: torch.Tensor) -> None:
+    h = x.requires_grad_()
+    run(block, h).square().sum().backward()
+
+
+VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "plain": lambda: contextlib.nullcontext(lambda block, x: block(x)),
+    "torch.utils.checkpoint": lambda: contextlib.nullcontext(
+        lambda block, x: torch_checkpoint(block, x, use_reentrant=False)),
+    "ckptlib": lambda: contextlib.nullcontext(ckptlib.checkpoint),
+    "ckptlib, guards off": guards_off,
+}
+
+
+def measure(rounds: int, steps: int) -> dict:
+    torch.set_num_threads(1)
+    results = {}
+    for block_name, (block, x) in blocks().items():
+        names = list(VARIANTS)
+        for name in names:                       # warm up
+            with VARIANTS[name]() as run:
+                for _ in range(3):
+                    step(run, block, x)
+        per_step_us: dict[str, list[float]] = {name: [] for name in names}
+        for round_index in range(rounds):
+            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            for name in order:
+                with VARIANTS[name]() as run:
+                    began = time.process_time()
+                    for _ in range(steps):
+                        step(run, block, x)
+                    per_step_us[name].append((time.process_time() - began) / steps * 1e6)
+                block.zero_grad(set_to_none=True)
+        median = {name: statistics.median(values) for name, values in per_step_us.items()}
+        quartiles = {name: statistics.quantiles(values, n=4) for name, values in per_step_us.items()}
+        results[block_name] = {
+            "median_us_per_step": {name: round(value, 1) for name, value in median.items()},
+            "quartiles_us_per_step": {name: [round(q[0], 1), round(q[2], 1)] for name, q in quartiles.items()},
+            "ratios": {
+                "ckptlib / ckptlib guards off": round(median["ckptlib"] / median["ckptlib, guards off"], 3),
+                "ckptlib / torch.utils.checkpoint": round(median["ckptlib"] / median["torch.utils.checkpoint"], 3),
+                "ckptlib guards off / torch.utils.checkpoint":
+                    round(median["ckptlib, guards off"] / median["torch.utils.checkpoint"], 3),
+                "ckptlib / plain": round(median["ckptlib"] / median["plain"], 3),
+                "torch.utils.checkpoint / plain": round(median["torch.utils.checkpoint"] / median["plain"], 3),
+            },
+            "guard_cost_us_per_step": round(median["ckptlib"] - median["ckptlib, guards off"], 1),
+        }
+    return {
+        "schema": "ckptlib.guard_cost/1",
+        "environment": {"torch": torch.__version__, "python": platform.python_version(), "threads": 1,
+                        "clock": "process CPU time", "rounds": rounds, "steps_per_round": steps},
+        "blocks": results,
+    }
+
+
+def table(result: dict) -> str:
+    lines = []
+    for block_name, numbers in result["blocks"].items():
+        lines.append(f"{block_name}")
+        for name, value in numbers["median_us_per_step"].items():
+            low, high = numbers["quartiles_us_per_step"][name]
+            lines.append(f"  {name:<24} {value:>10.1f} us per step (quartiles {low:.1f} to {high:.1f})")
+        for name, value in numbers["ratios"].items():
+            lines.append(f"  {name:<45} {value:.3f}")
+        lines.append(f"  guards cost {numbers['guard_cost_us_per_step']:.1f} us per step")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=20, help="training steps per variant and round")
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args()
+    result = measure(args.rounds, args.steps)
+    print(table(result))
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

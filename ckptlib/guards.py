@@ -1,0 +1,364 @@
+"""What a checkpoint's rerun must reproduce, and the checks that refuse a rerun that would not.
+
+Design notes
+============
+
+A rerun gives the right gradients only if it computes the values the forward
+computed. Those values were dropped (that is the point), so they cannot be
+compared. What is cheap to keep is compared instead, and every check errs
+towards a loud ``CheckpointError`` rather than a silently wrong gradient.
+``ckptlib.checkpoint`` calls these checks; this module says what they compare
+and why, and builds the messages.
+
+Each saved tensor's key. The rerun hands its i-th saved tensor to the i-th
+holder, so it must be the tensor the forward saved i-th. Each pack of the rerun
+compares its key with the forward's: shape, dtype, device, and its *producer*,
+the kind of autograd node that made it (``ExpBackward0``), or "an input of the
+region" (it shares storage with one), or a leaf that requires grad (a parameter)
+or not (a constant). Equal shapes are not enough: a global flag that turns
+``t.exp()`` into ``t.sin()`` saves a tensor of the same shape, but ``exp`` saves
+its *result* and ``sin`` its *input*, so ``ExpBackward0`` would be handed ``t``
+instead of ``exp(t)``. The producer costs one attribute read per pack
+(``benchmarks/guard_cost.py`` measures it). It cannot see an op swapped for
+another that saves the same tensor (``t.sin()`` for ``t.cos()``: both save
+``t``, so the handed value is right anyway) nor different numbers made by the
+same kind of node (``t * 2`` against ``t * 3``).
+
+Versions of what the region reads from outside. Autograd checks at every
+unpack that a saved tensor was not modified in place since it was saved
+(``tensor._version``). A rerun *reads* tensors instead of unpacking them, so it
+checks them itself, before it runs:
+
+* the region's inputs (their versions at the call);
+* leaves saved by an op in forward, and views of leaves (``weight.t()``): the
+  leaf's version at the pack;
+* parameters and buffers of the modules reachable from ``fn``: ``fn`` itself,
+  ``fn.__self__`` (a bound method), a ``functools.partial``'s function and
+  arguments, closure cells and default arguments (one level into lists, tuples
+  and dicts; functions found there are followed the same way);
+* tensors found the same way (a captured weight).
+
+A tensor that the region itself modifies during its forward (BatchNorm's
+``num_batches_tracked``) is state it *writes*, not an input: it is not checked,
+and what a rerun leaves behind is the next rerun's baseline. An optimizer step
+between forward and backward bumps the weights' versions and the rerun refuses,
+where plain autograd raises too (it saved the weights). The check is conservative:
+it also refuses when the changed tensor would not have changed what the rerun
+saves (a bias whose layer's output nobody saves), where plain autograd is silent
+and right; a rerun after an in-place update of its weights is suspect either way.
+
+What the version check cannot see: tensors reached through a global variable,
+through an attribute of an object that is not a module (``checkpoint(obj.method,
+x)`` with a plain class), or deeper than one container level; a parameter
+*replaced* rather than modified (``module.weight = nn.Parameter(...)``); writes
+through ``.data`` (invisible to autograd too); and state that is no tensor (a
+Python float, a global flag: the key check sees those only when they change
+what is saved). The walk costs time in proportion to what it reaches: checkpoint
+a block (``checkpoint(block, x)``), not a lambda that closes over the whole model.
+
+State written twice. The rerun is a second forward pass, so a region's in-place
+updates of module state happen twice: BatchNorm in train mode moves its running
+statistics twice per step (``torch.utils.checkpoint`` too). The tensors the
+forward wrote are copied before each rerun; one the rerun leaves with another
+value raises :class:`StateUpdatedTwiceWarning`, once per module. A rerun that
+puts the state back (a ``context_fn`` that restores it, notebook 04) is not
+warned about; BatchNorm in eval mode or without running statistics writes nothing.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from ckptlib.trace import TensorMeta
+
+__all__ = ["StateUpdatedTwiceWarning", "OutsideReads", "saved_key", "key_mismatch", "storage_ptr", "input_ptrs",
+           "MISMATCH_CAUSES"]
+
+MISMATCH_CAUSES = (
+    "Usual causes: non-deterministic control flow in the checkpointed function (branches on "
+    "random numbers, time or a global flag), data-dependent shapes (e.g. torch.nonzero on values "
+    "that changed), global state that changed between forward and backward (a module attribute, "
+    "train/eval mode), or an input modified in place after the forward pass. Make the function "
+    "depend only on its inputs, or keep its activations by not checkpointing it."
+)
+
+INPUT = "an input of the region"
+PARAMETER = "a parameter (a leaf that requires grad)"
+CONSTANT = "a constant (a leaf that does not require grad)"
+VIEW = "view"
+
+
+class StateUpdatedTwiceWarning(UserWarning):
+    """A checkpoint's rerun updated module state (BatchNorm running statistics) its forward had updated."""
+
+
+# ---------------------------------------------------------------------------
+# Saved tensors: the key compared at every pack of a rerun
+# ---------------------------------------------------------------------------
+
+
+def storage_ptr(tensor: torch.Tensor) -> int | None:
+    """Where ``tensor``'s storage starts; ``None`` for layouts without one (sparse, nested, mkldnn)."""
+    if tensor.layout is not torch.strided or tensor.is_nested:
+        return None
+    return tensor.untyped_storage().data_ptr()
+
+
+def saved_key(tensor: torch.Tensor, ptr: int | None, input_ptrs: set[int]) -> tuple:
+    """(shape, dtype, device, producer) of a saved tensor; ``ptr`` is its :func:`storage_ptr`.
+
+    A view's producer is its base's, marked as a view: which node makes a view depends on
+    the dispatch path (``reshape`` is a ``ReshapeAliasBackward0`` normally, a
+    ``ViewBackward0`` under a dispatch mode such as selective checkpointing's rerun).
+    """
+    if ptr and ptr in input_ptrs:
+        return (tensor.shape, tensor.dtype, tensor.device, INPUT)
+    base = tensor._base
+    source = tensor if base is None else base
+    node = source.grad_fn
+    producer: Any = type(node) if node is not None else PARAMETER if source.requires_grad else CONSTANT
+    return (tensor.shape, tensor.dtype, tensor.device, producer if base is None else (VIEW, producer))
+
+
+def input_ptrs(tensors: list[torch.Tensor]) -> set[int]:
+    """Storage pointers of a region's inputs (empty storages, all at 0, left out)."""
+    return {ptr for ptr in map(storage_ptr, tensors) if ptr}
+
+
+def _producer(key: tuple) -> str:
+    """How a key's tensor was made, in words that follow "a tensor" or "one"."""
+    producer = key[3]
+    is_view = isinstance(producer, tuple)
+    producer = producer[1] if is_view else producer
+    if isinstance(producer, str):
+        return f"that is a view of {producer}" if is_view else f"that is {producer}"
+    made = f"made by {producer.__name__}"
+    return f"that is a view of a tensor {made}" if is_view else made
+
+
+def key_mismatch(index: int, forward: tuple, rerun: tuple) -> str:
+    """Why the rerun's saved tensor ``#index`` is not the forward's, for a ``CheckpointError``."""
+    before, after = TensorMeta.from_key(forward), TensorMeta.from_key(rerun)
+    if before != after:
+        what = f"forward saved {before}, recomputation produced {after}"
+    else:
+        what = (f"forward saved {before} {_producer(forward)}; recomputation produced one "
+                f"{_producer(rerun)} (same shape, another operation)")
+    return f"saved tensor #{index} differs between forward and recomputation: {what}. {MISMATCH_CAUSES}"
+
+
+# ---------------------------------------------------------------------------
+# Tensors read from outside: what fn can reach, and their versions
+# ---------------------------------------------------------------------------
+
+
+def _roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """(label, module or tensor) for everything reachable from ``fn`` (see the notes)."""
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def visit(label: str, obj: Any, depth: int) -> None:
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (nn.Module, torch.Tensor)):
+            found.append((label, obj))
+        elif isinstance(obj, functools.partial):
+            visit(label, obj.func, depth + 1)
+            for position, arg in enumerate(obj.args):
+                visit(f"{label}.args[{position}]", arg, depth + 1)
+            for name, arg in obj.keywords.items():
+                visit(f"{label}.keywords[{name!r}]", arg, depth + 1)
+        elif hasattr(obj, "__self__") and hasattr(obj, "__func__"):      # a bound method
+            visit(type(obj.__self__).__name__, obj.__self__, depth + 1)
+            visit(label, obj.__func__, depth + 1)
+        elif hasattr(obj, "__code__"):                                     # a Python function
+            cells = zip(obj.__code__.co_freevars, obj.__closure__ or ())
+            for name, cell in cells:
+                try:
+                    visit(name, cell.cell_contents, depth + 1)
+                except ValueError:      # a cell not filled yet
+                    pass
+            defaults = obj.__defaults__ or ()
+            names = obj.__code__.co_varnames[obj.__code__.co_argcount - len(defaults):obj.__code__.co_argcount]
+            for name, default in zip(names, defaults):
+                visit(name, default, depth + 1)
+            for name, default in (obj.__kwdefaults__ or {}).items():
+                visit(name, default, depth + 1)
+        elif isinstance(obj, (list, tuple)) and depth > 0:
+            for position, item in enumerate(obj):
+                visit(f"{label}[{position}]", item, depth + 2)   # one level only
+        elif isinstance(obj, dict) and depth > 0:
+            for key, item in obj.items():
+                visit(f"{label}[{key!r}]", item, depth + 2)
+
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    visit(type(fn).__name__ if isinstance(fn, nn.Module) else name, fn, 0)
+    return found
+
+
+def _add_tensors(obj: Any, found: list[torch.Tensor], modules_seen: set[int]) -> None:
+    """Add a tensor, or a module's parameters and buffers (its submodules' too), to ``found``.
+
+    (Reads the module's dicts itself: ``module.modules()`` costs more than the whole walk,
+    and this runs at every checkpoint call.)"""
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+        return
+    if id(obj) in modules_seen:
+        return
+    modules_seen.add(id(obj))
+    attributes = obj.__dict__
+    for tensor in attributes["_parameters"].values():
+        if tensor is not None:
+            found.append(tensor)
+    for tensor in attributes["_buffers"].values():
+        if tensor is not None:
+            found.append(tensor)
+    for child in attributes["_modules"].values():
+        if child is not None:
+            _add_tensors(child, found, modules_seen)
+
+
+class OutsideReads:
+    """The tensors a checkpointed region reads from outside, with their versions (see the notes).
+
+    Made before the forward runs; :meth:`after_forward` then sorts what the
+    forward wrote from what it read. :meth:`changed` says, before a rerun, what
+    was modified in place since; :meth:`around_rerun` warns about state a rerun
+    updated again.
+    """
+
+    def __init__(self, fn: Callable[..., Any], inputs: list[torch.Tensor]) -> None:
+        self.roots = [(type(fn).__name__, fn)] if isinstance(fn, nn.Module) else _roots(fn)
+        self.inputs = [(weakref.ref(t), t._version) for t in inputs]
+        reached: list[torch.Tensor] = []
+        modules_seen: set[int] = set()
+        for _, obj in self.roots:
+            _add_tensors(obj, reached, modules_seen)
+        self.read = [(t, t._version) for t in reached]  # read-only until after_forward
+        self.written: list[torch.Tensor] = []
+        self.saved_leaves: list[tuple[weakref.ReferenceType, int]] = []
+
+    def add_saved_leaf(self, leaf: torch.Tensor) -> None:
+        """A leaf (or the base of a view) that an op saved in forward: kept weakly, with its version."""
+        self.saved_leaves.append((weakref.ref(leaf), leaf._version))
+
+    def after_forward(self) -> None:
+        read = []
+        for tensor, version in self.read:
+            if tensor._version == version:
+                read.append((tensor, version))
+            else:
+                self.written.append(tensor)
+        self.read = read
+
+    def changed(self) -> str | None:
+        """What was modified in place since the forward (or the last rerun), or ``None``."""
+        for position, (ref, version) in enumerate(self.inputs):
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                return (f"input tensor #{position} ({TensorMeta.of(tensor)}) was modified in place after "
+                        f"the checkpointed forward (version {version} -> {tensor._version}); recomputing "
+                        "from it would give wrong activations. Clone the input before modifying it, or "
+                        "modify a copy.")
+        stale = [(tensor, version) for tensor, version in self.read if tensor._version != version]
+        for ref, version in self.saved_leaves:
+            leaf = ref()
+            if leaf is not None and leaf._version != version:
+                stale.append((leaf, version))
+        if not stale:
+            return None
+        tensor, version = stale[0]
+        return (f"{self.name_of(tensor)} was modified in place between the forward pass and this "
+                f"recomputation (version {version} -> {tensor._version}). The rerun would compute with "
+                "the new values, not the ones the forward used, and give wrong gradients (plain autograd "
+                "raises here too when it saved the tensor). Usual cause: an optimizer step, or another "
+                "in-place update, before backward: call backward first, then step; or clone the tensor "
+                "before changing it.")
+
+    def name_of(self, tensor: torch.Tensor) -> str:
+        """``parameter `Block.fc1.weight` (8x8 float32 ...)`` where a root leads to it, else its metadata."""
+        meta = TensorMeta.of(tensor)
+        for label, obj in self.roots:
+            if obj is tensor:
+                return f"captured tensor `{label}` ({meta})"
+            if isinstance(obj, nn.Module):
+                for kind, named in (("parameter", obj.named_parameters), ("buffer", obj.named_buffers)):
+                    for name, candidate in named(remove_duplicate=False):
+                        if candidate is tensor:
+                            return f"{kind} `{label}.{name}` ({meta})"
+        kind = "a parameter" if tensor.requires_grad else "a constant"
+        return f"a tensor the region reads ({meta}, a leaf that {'requires' if tensor.requires_grad else 'does not require'} grad: {kind})"
+
+    def rebaseline(self) -> None:
+        """After a rerun: what it wrote is the next rerun's starting point."""
+        self.read = [(tensor, tensor._version) for tensor, _ in self.read]
+        leaves = [ref() for ref, _ in self.saved_leaves]
+        self.saved_leaves = [(weakref.ref(leaf), leaf._version) for leaf in leaves if leaf is not None]
+
+    def around_rerun(self, region: str) -> "_StateWatch":
+        return _StateWatch(self, region)
+
+    def owner_of(self, tensor: torch.Tensor) -> tuple[Any, str]:
+        """(module or tensor, description) of the thing that owns written state ``tensor``."""
+        for label, obj in self.roots:
+            if obj is tensor:
+                return tensor, f"captured tensor `{label}`"
+            if isinstance(obj, nn.Module):
+                for path, module in obj.named_modules(remove_duplicate=False):
+                    for name, buffer in module._buffers.items():
+                        if buffer is tensor:
+                            where = f"{label}.{path}" if path else label
+                            return module, f"{type(module).__name__} `{where}` (buffer {name})"
+        return tensor, f"a tensor ({TensorMeta.of(tensor)})"
+
+
+_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+class _StateWatch:
+    """Copies the forward's written state before a rerun; warns if the rerun leaves it changed."""
+
+    def __init__(self, reads: OutsideReads, region: str) -> None:
+        self.reads, self.region = reads, region
+
+    def __enter__(self) -> None:
+        self.before = [t.clone() for t in self.reads.written]
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for tensor, before in zip(self.reads.written, self.before):
+            if torch.equal(tensor, before):
+                continue
+            owner, description = self.reads.owner_of(tensor)
+            if owner in _warned:
+                continue
+            _warned.add(owner)
+            warnings.warn(
+                f"checkpoint {self.region}: the recomputation updated {description} again after the "
+                "forward pass had updated it: a checkpointed region runs twice, so its in-place state "
+                "updates happen twice (BatchNorm's running statistics move twice per step; "
+                "torch.utils.checkpoint does the same). Fixes: checkpoint the layers around the module "
+                "instead of it, put it in eval mode, or put its state back during the recomputation "
+                "(a context_fn that restores the buffers, or a forward pre-hook that sets momentum to 0 "
+                "while ckptlib.checkpoint.is_recomputing(), as in notebook 04). Warned once per module.",
+                StateUpdatedTwiceWarning, stacklevel=_caller_stacklevel())
+        self.reads.rebaseline()
+
+
+_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside torch and ckptlib: the user's ``backward()`` line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level

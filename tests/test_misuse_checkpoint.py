@@ -1,0 +1,129 @@
+"""Bad arguments to the public functions of checkpoint, trace, rng, offload and sequential.
+
+Each is a TypeError or ValueError that names the argument and what it accepts, raised at the
+call before anything runs, and leaves nothing behind: no saved-tensor hook, no trace, no
+function mode, no registered generator use, and the RNG where it was.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ckptlib import rng
+from ckptlib.checkpoint import TensorMeta, _thread_state, checkpoint, is_recomputing, record_trace
+from ckptlib.offload import offload_saved_tensors
+from ckptlib.sequential import checkpoint_sequential, measure_layer_costs
+from ckptlib.trace import _active_traces
+
+calls: list[int] = []
+
+
+def region(t: torch.Tensor) -> torch.Tensor:
+    calls.append(1)
+    return t.sin()
+
+
+def x() -> torch.Tensor:
+    return torch.linspace(-1, 1, 8).reshape(2, 4).requires_grad_()   # made without the RNG
+
+
+def count_a_kind_that_does_not_exist():
+    with record_trace() as trace:
+        checkpoint(region, x())
+    trace.count("packs")
+
+
+def enter_replay_of(state):
+    with rng.replay(state):
+        pass
+
+
+NULL = contextlib.nullcontext
+
+CASES = [
+    # checkpoint
+    ("fn", lambda: checkpoint(torch.ones(3), x()), TypeError, "checkpoint: fn must be callable, got Tensor"),
+    ("preserve_rng_state", lambda: checkpoint(region, x(), preserve_rng_state="no"), TypeError,
+     "checkpoint: preserve_rng_state must be True or False, got 'no' \\(str\\)"),
+    ("early_stop", lambda: checkpoint(region, x(), early_stop=None), TypeError,
+     "checkpoint: early_stop must be True or False, got None \\(NoneType\\)"),
+    ("debug", lambda: checkpoint(region, x(), debug="loud"), TypeError,
+     "checkpoint: debug must be True or False, got 'loud' \\(str\\)"),
+    ("use_reentrant=True", lambda: checkpoint(region, x(), use_reentrant=True), ValueError,
+     "always non-reentrant; drop use_reentrant=True"),
+    ("use_reentrant type", lambda: checkpoint(region, x(), use_reentrant="no"), TypeError,
+     "checkpoint: use_reentrant must be None or False, got 'no' \\(str\\)"),
+    ("context_fn not callable", lambda: checkpoint(region, x(), context_fn=NULL()), TypeError,
+     "checkpoint: context_fn must be None or a function returning two context managers .*got nullcontext"),
+    ("context_fn returns one", lambda: checkpoint(region, x(), context_fn=NULL), TypeError,
+     "checkpoint: context_fn must return two context managers .*it returned <contextlib.nullcontext"),
+    ("context_fn returns three", lambda: checkpoint(region, x(), context_fn=lambda: (NULL(), NULL(), NULL())),
+     TypeError, "context_fn must return two context managers"),
+    ("context_fn returns a non-context", lambda: checkpoint(region, x(), context_fn=lambda: (NULL(), 3)),
+     TypeError, "context_fn must return two context managers .*it returned \\(<contextlib.nullcontext"),
+    # trace
+    ("trace.count kind", count_a_kind_that_does_not_exist, ValueError,
+     "CheckpointTrace.count: kind must be one of pack, forward_done, recompute, early_stop, unpack, release; "
+     "got 'packs'"),
+    ("TensorMeta.of", lambda: TensorMeta.of(None), TypeError, "TensorMeta.of needs a tensor, got NoneType"),
+    # rng
+    ("capture None", lambda: rng.capture(None), TypeError, "capture: tensors must be a list .* of tensors"),
+    ("capture a tensor", lambda: rng.capture(torch.ones(2)), TypeError, "capture: tensors must be a list"),
+    ("capture non-tensors", lambda: rng.capture([1, 2]), TypeError, "capture: tensors must be a list"),
+    ("replay", lambda: enter_replay_of("state"), TypeError,
+     "replay: state must be an RNGState from rng.capture\\(...\\), got str"),
+    # offload
+    ("pin_memory", lambda: offload_saved_tensors(pin_memory="yes"), TypeError,
+     "offload_saved_tensors: pin_memory must be True or False, got 'yes' \\(str\\)"),
+    # sequential
+    ("empty modules", lambda: checkpoint_sequential(nn.Sequential(), 1, x()), ValueError,
+     "checkpoint_sequential: modules is empty; pass at least one module"),
+    ("segments", lambda: checkpoint_sequential(nn.Sequential(nn.Tanh()), "1", x()), ValueError,
+     "segments must be an int \\(the number of segments\\) or a ckptlib.schedules.Plan, got '1'"),
+    ("sequential preserve_rng_state", lambda: checkpoint_sequential([region], 1, x(), preserve_rng_state="no"),
+     TypeError, "checkpoint_sequential: preserve_rng_state must be True or False, got 'no'"),
+    ("sequential use_reentrant", lambda: checkpoint_sequential([region], 1, x(), use_reentrant=1), TypeError,
+     "checkpoint_sequential: use_reentrant must be None or False, got 1 \\(int\\)"),
+    ("repeat type", lambda: measure_layer_costs([region], x(), repeat="3"), TypeError,
+     "measure_layer_costs: repeat must be an integer >= 1, got '3' \\(str\\)"),
+    ("repeat value", lambda: measure_layer_costs([region], x(), repeat=0), ValueError,
+     "measure_layer_costs: repeat must be an integer >= 1, got 0"),
+    ("measure empty", lambda: measure_layer_costs([], x()), ValueError, "measure_layer_costs: modules is empty"),
+]
+
+
+def nothing_left_behind() -> None:
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, "a saved-tensor hook is left"
+    assert torch._C._len_torch_function_stack() == 0, "a torch function mode is left"
+    assert not _active_traces, "a trace is left open"
+    assert not rng._users, "a generator use is left registered"
+    assert not is_recomputing() and _thread_state.peek is None
+
+
+@pytest.mark.parametrize("call, error, message", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_argument_is_a_clear_error_and_leaves_nothing(call, error, message):
+    calls.clear()
+    rng_before = torch.get_rng_state()
+    with pytest.raises(error, match=message):
+        call()
+    assert calls == [] or message.startswith("CheckpointTrace"), "the function ran before the error"
+    assert torch.equal(torch.get_rng_state(), rng_before), "the RNG moved"
+    nothing_left_behind()
+
+
+def test_checkpoint_refuses_bad_arguments_under_no_grad_too():
+    with torch.no_grad(), pytest.raises(TypeError, match="early_stop must be True or False"):
+        checkpoint(region, x(), early_stop="yes")
+    nothing_left_behind()
+
+
+def test_a_context_fn_that_raises_leaves_nothing():
+    def broken_context_fn():
+        raise RuntimeError("no contexts today")
+
+    with pytest.raises(RuntimeError, match="no contexts today"):
+        checkpoint(region, x(), context_fn=broken_context_fn)
+    nothing_left_behind()
