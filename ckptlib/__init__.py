@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 # Imported eagerly: the function ``checkpoint`` shares its name with the module
 # ``ckptlib/checkpoint.py``; binding it here keeps ``ckptlib.checkpoint`` the function.
 # (Write ``from ckptlib.checkpoint import ...`` to reach the module's other names.)
-from ckptlib.checkpoint import CheckpointError, CheckpointTrace, checkpoint, record_trace
+from ckptlib.checkpoint import CheckpointError, CheckpointTrace, StateUpdatedTwiceWarning, checkpoint, record_trace
 
 # public name -> module that defines it (see DESIGN.md, "ckptlib: one module per idea")
 _PUBLIC = {
@@ -57,7 +57,7 @@ _PUBLIC = {
     "PolicyExplorer": "widgets",
 }
 
-__all__ = sorted([*_PUBLIC, "checkpoint", "CheckpointError", "CheckpointTrace", "record_trace"])
+__all__ = sorted([*_PUBLIC, "checkpoint", "CheckpointError", "CheckpointTrace", "StateUpdatedTwiceWarning", "record_trace"])
 
 
 def __getattr__(name: str) -> Any:
