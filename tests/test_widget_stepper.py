@@ -164,6 +164,8 @@ def test_position_drives_the_view(blocks):
     _, stepper = blocks
     last = len(stepper.frames) - 1
     assert (stepper.position.min, stepper.position.max, stepper.play.max) == (0, last, last)
+    # The caption numbers events from 1 ("28/53"); a slider readout would show 27 beside it.
+    assert not stepper.position.readout
     assert stepper.prev_button.disabled and not stepper.next_button.disabled
     first_graph, first_caption = stepper.graph_view.value, stepper.caption.value
     recomputed = next(i for i, frame in enumerate(stepper.frames) if "recomputed" in frame["states"].values())
