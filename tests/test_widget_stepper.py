@@ -164,6 +164,8 @@ def test_position_drives_the_view(blocks):
     _, stepper = blocks
     last = len(stepper.frames) - 1
     assert (stepper.position.min, stepper.position.max, stepper.play.max) == (0, last, last)
+    # The caption numbers events from 1 ("28/53"); a slider readout would show 27 beside it.
+    assert not stepper.position.readout
     assert stepper.prev_button.disabled and not stepper.next_button.disabled
     first_graph, first_caption = stepper.graph_view.value, stepper.caption.value
     recomputed = next(i for i, frame in enumerate(stepper.frames) if "recomputed" in frame["states"].values())
@@ -215,3 +217,38 @@ def test_display_gives_the_widget_view_and_a_stable_text(blocks):
     bundle = stepper._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert bundle["text/plain"] == f"BackwardStepper({len(stepper.frames)} events, peak 3.44 KiB)"
+
+
+def test_the_words_say_whose_memory_a_save_is_so_a_save_that_adds_no_bytes_is_explained():
+    plain = BackwardStepper(MLPChain(depth=2, width=8), batch=4)
+    frames = plain.frames
+    nothing_extra = {plain.tensors[f["tensor"]]["attribute"]: f["text"] for f in frames
+                     if f["event"] == "pack" and f["text"].endswith("nothing extra")}
+    # The batch (block 0's input, the loss's target) was made before the step; mat2 is a weight.
+    assert nothing_extra == {
+        "mat1": "autograd saves saved #0 for AddmmBackward0.mat1 (in blocks.0.0): 4x8 float32, 128 B, "
+                "an input of the step, made before it: nothing extra",
+        "target": "autograd saves saved #6 for MseLossBackward0.target: 4x8 float32, 128 B, "
+                  "an input of the step, made before it: nothing extra",
+        "mat2": "autograd saves saved #3 for AddmmBackward0.mat2 (in blocks.1.0): 8x8 float32, 256 B, "
+                "a parameter's own memory: nothing extra",
+    }
+    blocks = BackwardStepper(MLPChain(depth=2, width=8, checkpointing="block"), batch=4)
+    drops = [f["text"] for f in blocks.frames if f["event"] == "pack" and "frees nothing" in f["text"]]
+    assert drops == [
+        "block 0 forward: drops tensor #0 (linear), 4x8 float32, 128 B, the checkpoint's input: dropping frees nothing",
+        "block 1 forward: drops tensor #0 (linear), 4x8 float32, 128 B, the checkpoint's input: dropping frees nothing",
+        "block 1 forward: drops tensor #1 (linear), 8x8 float32, 256 B, a parameter's own memory: "
+        "dropping frees nothing",
+    ]
+
+
+def test_an_op_frame_tells_apart_what_the_op_allocated_and_what_died_before_it():
+    frames = BackwardStepper(MLPChain(depth=2, width=8), batch=4).frames
+    # Block 0's Linear output (4x8 float32) dies once ReLU has run (ReLU saves its output, not its
+    # input), before block 1's weight.t(), a view that allocates nothing.
+    k = next(k for k, f in enumerate(frames) if f["op"] == "t" and k > 0)
+    assert frames[k]["text"] == ("forward op: t, live +0 B; before it ran, 128 B freed: "
+                                 "tensors nothing refers to any more")
+    assert frames[k - 1]["live_bytes"] - frames[k]["live_bytes"] == 128
+    assert frames[0]["text"] == "forward op: t, live +0 B"

@@ -78,12 +78,14 @@ class _Item:
     kind: str                  # "op", "trace", "pack", "unpack", "release"
     ops: int                   # ops completed at that moment (for an op: itself included)
     live: int | None           # bytes alive then (a release gets it at the next reading)
+    before: int | None = None  # for an op: bytes alive just before it ran
     op: str | None = None
     phase: str | None = None
     event: TraceEvent | None = None
     order: int | None = None   # the outer hook's pack number
     meta: tuple | None = None  # (shape, dtype, nbytes) of an outer pack
     recomputing: bool = False
+    made_before: bool = False  # an outer pack of memory made before the step (its input)
 
 
 class _BeforeOp(TorchDispatchMode):
@@ -101,10 +103,13 @@ class _BeforeOp(TorchDispatchMode):
 class _Recorder:
     """The observers of one pass; appends an :class:`_Item` for everything it sees."""
 
-    def __init__(self) -> None:
+    def __init__(self, inputs: tuple[torch.Tensor, ...] = ()) -> None:
         self.items: list[_Item] = []
         self.ops = 0
         self.meter: MemoryMeter | None = None
+        self.live_before_op = 0
+        # The step's inputs were made before it: the meter never counts their memory.
+        self._input_storages = {t.untyped_storage().data_ptr() for t in inputs}
         self.quiet = False          # while the graph is walked: its reads are not events
         self._detaching = False     # our own detach in pack is not an op of the step
         self._orders = 0
@@ -128,11 +133,11 @@ class _Recorder:
         if self._detaching or self.quiet:
             return
         self.ops += 1
-        self.add(_Item("op", self.ops, entry.live_bytes, op=entry.op, phase=entry.phase))
+        self.add(_Item("op", self.ops, entry.live_bytes, op=entry.op, phase=entry.phase,
+                       before=self.live_before_op))
 
     def before_op(self) -> None:
-        if self._pending:
-            self.reading()
+        self.live_before_op = self.reading()
 
     # -- the trace ------------------------------------------------------------------
     def on_event(self, event: TraceEvent) -> None:
@@ -150,7 +155,8 @@ class _Recorder:
         self._order_of[key] = order
         self._refs[order] = weakref.ref(stored, lambda _ref: self._released(order, key))
         meta = (tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
-        self.add(_Item("pack", self.ops, self.reading(), order=order, meta=meta))
+        self.add(_Item("pack", self.ops, self.reading(), order=order, meta=meta,
+                       made_before=tensor.untyped_storage().data_ptr() in self._input_storages))
         return stored
 
     def unpack(self, stored: torch.Tensor) -> torch.Tensor:
@@ -251,6 +257,7 @@ class Step:
     model: torch.nn.Module | None
     device: torch.device
     block_regions: bool                   # name checkpoint regions "block 0", "block 1", ...
+    inputs: tuple[torch.Tensor, ...] = ()  # made before the step (the batch, fn's inputs)
 
 
 class StepReplay:
@@ -263,9 +270,11 @@ class StepReplay:
         self.graph, self.slot_of_label = self._graph_pass()
         self.frames, self.peak_bytes = self._metered_pass(all_ops)
 
-    def of_leaf(self, slot: Slot) -> bool:
-        """Is this saved tensor a parameter (or a view of one): memory that lives anyway?"""
-        return any(saved.name == slot.name and saved.of_leaf for saved in self.graph[slot.node_id].saved)
+    def leaf_kind(self, slot: Slot) -> str | None:
+        """Whose memory a saved tensor is, if a leaf's: ``"parameter"``, ``"buffer"`` or ``"leaf"``
+        (memory that lives anyway), else ``None``."""
+        return next((saved.leaf_kind or "leaf" for saved in self.graph[slot.node_id].saved
+                     if saved.name == slot.name and saved.of_leaf), None)
 
     def _graph_pass(self) -> tuple[AutogradGraph, dict[str, Slot]]:
         step, recorder = self.step, _Recorder()
@@ -315,7 +324,8 @@ class StepReplay:
         return graph, slot_of_label
 
     def _metered_pass(self, all_ops: bool) -> tuple[list[dict[str, Any]], int]:
-        step, recorder = self.step, _Recorder()
+        step = self.step
+        recorder = _Recorder(step.inputs)
         step.prepare()
         with MemoryMeter(step.device, backend="tensors", on_op=recorder.on_op) as meter:
             recorder.meter = meter
@@ -426,11 +436,14 @@ class _Frames:
     # -- one item --------------------------------------------------------------
     def _item(self, item: _Item, position: int) -> None:
         if item.kind == "op":
-            change = item.live - (self.out[-1]["live_bytes"] if self.out else 0)
-            sign = "+" if change >= 0 else "-"
-            self._add(self._frame(f"{item.phase}_op", item.phase,
-                                  f"{item.phase} op: {item.op}, live {sign}{format_bytes(abs(change))}",
-                                  item.live, op=item.op))
+            # The live bytes change by what the op allocates, and by what died since the last
+            # event: a tensor nothing refers to any more (not saved, not returned) dies between ops.
+            own = item.live - item.before
+            freed = (self.out[-1]["live_bytes"] if self.out else 0) - item.before
+            text = f"{item.phase} op: {item.op}, live {'+' if own >= 0 else '-'}{format_bytes(abs(own))}"
+            if freed > 0:
+                text += f"; before it ran, {format_bytes(freed)} freed: tensors nothing refers to any more"
+            self._add(self._frame(f"{item.phase}_op", item.phase, text, item.live, op=item.op))
         elif item.kind == "trace":
             self._trace(item, self._next_trace(position))
         else:
@@ -451,8 +464,11 @@ class _Frames:
             else:
                 where = f" (in {slot.module})" if slot is not None and slot.module else ""
                 text = f"autograd saves {label} for {holder}{where}: {describe(*item.meta)}"
-                if slot is not None and self.replay.of_leaf(slot):
-                    text += ", a parameter's own memory: nothing extra"
+                owner = self.replay.leaf_kind(slot) if slot is not None else None
+                if owner in ("parameter", "buffer"):
+                    text += f", a {owner}'s own memory: nothing extra"
+                elif owner == "leaf" or item.made_before:
+                    text += ", an input of the step, made before it: nothing extra"
             self._add(self._frame("pack", "forward", text, item.live, tensor=label, region=region,
                                   set=(label, "saved")))
         elif item.kind == "unpack":
@@ -488,7 +504,12 @@ class _Frames:
             meta = event.meta
             self.replay.tensors[label] = {"region": region, "shape": meta.shape, "dtype": meta.dtype,
                                            "nbytes": meta.nbytes, **self._node_of(label)}
-            frees = ", the input: dropping frees nothing" if "frees nothing" in event.detail else ""
+            frees = ""
+            if "frees nothing" in event.detail:   # the trace: an input, a parameter or a view of one
+                slot = self.replay.slot_of_label.get(label)
+                owner = self.replay.leaf_kind(slot) if slot is not None else None
+                whose = f"a {owner}'s own memory" if owner in ("parameter", "buffer") else "the checkpoint's input"
+                frees = f", {whose}: dropping frees nothing"
             frame["text"] = (f"{region} forward: drops tensor #{event.index} ({what}), "
                              f"{describe(meta.shape, meta.dtype, meta.nbytes)}{frees}")
             frame["set"] = (label, "dropped")
@@ -606,7 +627,7 @@ def make_step(model_or_fn: Any, inputs: tuple, batch: int) -> Step:
         data = model.example_batch(batch=batch)
         return Step(lambda: model.loss(data), lambda: model.zero_grad(set_to_none=True), None, model,
                      next(model.parameters()).device, getattr(model, "blocks", None) is not None
-                     and model.checkpointing == "block")
+                     and model.checkpointing == "block", tuple(t for t in data if isinstance(t, torch.Tensor)))
     if not callable(model_or_fn):
         raise TypeError(f"BackwardStepper: expected a demo model or a function, got "
                         f"{type(model_or_fn).__name__}.")
@@ -630,7 +651,7 @@ def make_step(model_or_fn: Any, inputs: tuple, batch: int) -> Step:
                 tensor.grad = None
 
     params = {f"input{k}": t for k, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
-    return Step(forward, prepare, params, None, tensors[0].device, False)
+    return Step(forward, prepare, params, None, tensors[0].device, False, tuple(tensors))
 
 
 def _modules(model: torch.nn.Module | None):

@@ -103,7 +103,9 @@ class BackwardStepper(WidgetView):
         self._timeline_png, self._axes_box, self._y_limits = self._draw_timeline()
 
         last = len(self.frames) - 1
-        self.position = widgets.IntSlider(value=0, min=0, max=last, description="event",
+        # No readout: the slider counts from 0 (frames[k]), the caption from 1 ("28/53"); one
+        # number on screen, not two that differ by one.
+        self.position = widgets.IntSlider(value=0, min=0, max=last, description="event", readout=False,
                                           continuous_update=False, layout=widgets.Layout(width="420px"))
         self.play = widgets.Play(value=0, min=0, max=last, interval=500, description="Play")
         widgets.jslink((self.play, "value"), (self.position, "value"))
