@@ -8,7 +8,6 @@ module hooks, no open ckptlib trace, the global RNG untouched.
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Callable, NamedTuple
 
 import pytest
@@ -16,9 +15,7 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 
-import ckptlib.checkpoint  # noqa: F401  (the module; ckptlib.checkpoint itself is the function)
-
-checkpoint_module = sys.modules["ckptlib.checkpoint"]
+import ckptlib.trace as trace_module
 
 
 class Misuse(NamedTuple):
@@ -41,7 +38,7 @@ def process_state() -> dict[str, Any]:
         "saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
         "global module hooks": (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks),
                                 len(module_hooks._global_backward_hooks)),
-        "ckptlib traces": len(checkpoint_module._active_traces),
+        "ckptlib traces": len(trace_module._active_traces),
         "global RNG state": torch.random.get_rng_state().tolist(),
     }
 
