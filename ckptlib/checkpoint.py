@@ -115,7 +115,7 @@ class _Holder:
     def __init__(self, frame: "_Frame", index: int, frees_memory: bool) -> None:
         self.frame = frame
         self.index = index
-        self.frees_memory = frees_memory  # False for inputs, parameters and views of them
+        self.frees_memory = frees_memory  # False for inputs, parameters, buffers and views of them
         self.recomputed: dict[int, Any] = {}
         self.unpack_count = 0
 
@@ -129,7 +129,7 @@ class PackedInfo:
     meta: TensorMeta
     unpack_count: int
     recompute_count: int
-    frees_memory: bool = True  # False when dropping it freed nothing (an input, a parameter, a view of one)
+    frees_memory: bool = True  # False when dropping it freed nothing (an input, a parameter, a buffer, a view of one)
 
 
 class _Peek:
@@ -299,15 +299,28 @@ class _Frame:
         ptr = guards.storage_ptr(tensor)
         base = tensor._base
         leaf = tensor if tensor.is_leaf else base if base is not None and base.is_leaf else None
-        if leaf is not None:   # a parameter (or weight.t()): its version is checked before a rerun
+        if leaf is not None:   # its version is checked before a rerun (one made inside dies first: skipped)
             self.reads.add_saved_leaf(leaf)
-        # Dropping a leaf, a view of one or an input's alias frees nothing: they live on anyway.
-        holder = _Holder(self, len(self.weak_holders), leaf is None and not (ptr and ptr in self.input_ptrs))
+        holder = _Holder(self, len(self.weak_holders), self._frees_memory(leaf, ptr))
         self.weak_holders.append(weakref.ref(holder))
         self.keys.append(guards.saved_key(tensor, ptr, self.input_ptrs))
         if self.op_names is not None:
             self._trace_pack(holder, tensor, ptr)
         return holder
+
+    def _frees_memory(self, leaf: torch.Tensor | None, ptr: int | None) -> bool:
+        """Does dropping a saved tensor free memory, or does it live on outside the region anyway?
+
+        Outside: whatever shares an input's storage; a leaf that requires grad (a parameter, an
+        input) or a view of one; and a leaf without grad whose storage a tensor reached from ``fn``
+        holds (a buffer, a captured constant). Every tensor without grad is a leaf, so a leaf without
+        grad may also be made inside (dropout's mask, layer norm's mean): that one frees memory.
+        """
+        if ptr and ptr in self.input_ptrs:
+            return False
+        if leaf is None:
+            return True
+        return not (leaf.requires_grad or (ptr and self.reads.holds_storage(ptr)))
 
     def _trace_pack(self, holder: _Holder, tensor: torch.Tensor, ptr: int | None) -> None:
         meta = self.meta(holder.index)
