@@ -84,6 +84,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckptlib import guards, rng
+from ckptlib._arguments import flags, got
 from ckptlib.guards import StateUpdatedTwiceWarning
 from ckptlib.trace import CheckpointTrace, OpNames, TensorMeta, TraceEvent, publish, record_trace, tracing_active
 
@@ -572,25 +573,24 @@ def _autocast(state) -> ContextManager:
 # ---------------------------------------------------------------------------
 
 
-def require_flag(caller: str, name: str, value: Any, *, none_ok: bool = False) -> None:
-    """A TypeError naming ``caller``'s argument ``name`` unless ``value`` is a bool (or None if ``none_ok``)."""
-    if isinstance(value, bool) or (none_ok and value is None):
+def check_not_reentrant(where: str, use_reentrant: Any, instead: str) -> None:
+    """Accept ``use_reentrant`` ``None`` or ``False`` (for drop-in compatibility); refuse ``True``,
+    pointing to ``instead``, the torch function that has the reentrant variant."""
+    if use_reentrant is None or use_reentrant is False:
         return
-    accepted = "None or False" if none_ok else "True or False"
-    raise TypeError(f"{caller}: {name} must be {accepted}, got {value!r} ({type(value).__name__}).")
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"{where}: use_reentrant must be None or False, {got(use_reentrant)}.")
+    runs = "ckptlib.checkpoint is" if where == "checkpoint" else f"{where} runs ckptlib.checkpoint, which is"
+    raise ValueError(f"{runs} always non-reentrant; drop use_reentrant=True (or use {instead}).")
 
 
-def _check_arguments(fn: Any, flags: dict[str, Any], context_fn: Any, use_reentrant: Any) -> None:
+def _check_arguments(fn: Any, flag_values: dict[str, Any], context_fn: Any, use_reentrant: Any) -> None:
     """Refuse bad arguments at the call, before anything runs."""
     if not callable(fn):
         raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
                         "Pass the function or module itself, e.g. checkpoint(block, x).")
-    for name, value in flags.items():
-        require_flag("checkpoint", name, value)
-    require_flag("checkpoint", "use_reentrant", use_reentrant, none_ok=True)
-    if use_reentrant:
-        raise ValueError("ckptlib.checkpoint is always non-reentrant; drop use_reentrant=True "
-                         "(or use torch.utils.checkpoint for the reentrant variant).")
+    flags("checkpoint", **flag_values)
+    check_not_reentrant("checkpoint", use_reentrant, "torch.utils.checkpoint for the reentrant variant")
     if context_fn is not None and not callable(context_fn):
         raise TypeError(f"checkpoint: context_fn must be None or a function returning two context managers "
                         f"(forward_context, recompute_context), got {type(context_fn).__name__}.")
