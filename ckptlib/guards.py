@@ -79,7 +79,7 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.nn as nn
@@ -113,18 +113,25 @@ class StateUpdatedTwiceWarning(UserWarning):
 
 
 def storage_ptr(tensor: torch.Tensor) -> int | None:
-    """Where ``tensor``'s storage starts; ``None`` for layouts without one (sparse, nested, mkldnn)."""
-    if tensor.layout is not torch.strided or tensor.is_nested:
+    """Where ``tensor``'s storage starts: which memory it lives in, shared by its views and aliases.
+
+    ``None`` where there is no memory to compare: layouts without a storage (sparse, mkldnn,
+    jagged nested), wrapper subclasses without one of their own (FSDP2's sharded parameters),
+    and empty or meta tensors (pointer 0). Selective checkpointing's op graph uses it too.
+    """
+    try:
+        return tensor.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):
         return None
-    return tensor.untyped_storage().data_ptr()
 
 
-def saved_key(tensor: torch.Tensor, ptr: int | None, input_ptrs: set[int]) -> tuple:
+def saved_key(tensor: torch.Tensor, ptr: int | None, input_ptrs: Collection[int]) -> tuple:
     """(shape, dtype, device, producer) of a saved tensor; ``ptr`` is its :func:`storage_ptr`.
 
     A view's producer is its base's, marked as a view: which node makes a view depends on
     the dispatch path (``reshape`` is a ``ReshapeAliasBackward0`` normally, a
     ``ViewBackward0`` under a dispatch mode such as selective checkpointing's rerun).
+    Selective checkpointing's plans extend this key with the node's place (``_fingerprint``).
     """
     if ptr and ptr in input_ptrs:
         return (tensor.shape, tensor.dtype, tensor.device, INPUT)
@@ -241,15 +248,6 @@ def _add_tensors(obj: Any, found: list[torch.Tensor], modules_seen: set[int]) ->
             _add_tensors(child, found, modules_seen)
 
 
-def _own_storage_ptr(tensor: torch.Tensor) -> int | None:
-    """:func:`storage_ptr`, or ``None`` for a wrapper subclass with no storage of its own (FSDP2's
-    sharded parameters: the region computes with gathered copies, which are leaves that require grad)."""
-    try:
-        return storage_ptr(tensor)
-    except RuntimeError:
-        return None
-
-
 class OutsideReads:
     """The tensors a checkpointed region reads from outside, with their versions (see the notes).
 
@@ -284,7 +282,7 @@ class OutsideReads:
                 modules_seen: set[int] = set()
                 for _, obj in _roots(self.fn, through_globals=True):
                     _add_tensors(obj, reached, modules_seen)
-            self._storages = {p for p in map(_own_storage_ptr, reached) if p}
+            self._storages = {p for p in map(storage_ptr, reached) if p}
         return ptr in self._storages
 
 

@@ -39,11 +39,12 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptlib._arguments import integer, number
+from ckptlib.guards import storage_ptr
 from ckptlib.selective.cache import _save
 from ckptlib.selective.modes import SaveChosenOps
 from ckptlib.selective.opgraph import _OpGraph
 from ckptlib.selective.ops import (
-    _CACHEABLE_KINDS, _VIEW, _is_parameter_cast, _op_kind, _shapes, _storage_key, _storages, _tensors,
+    _CACHEABLE_KINDS, _VIEW, _is_parameter_cast, _op_kind, _shapes, _storages, _tensors,
 )
 
 aten = torch.ops.aten
@@ -172,7 +173,7 @@ class _OpTimer(TorchDispatchMode):
         (the output's own storages, alive anyway)."""
         self.graph.calls = [call._replace(reached=before < self.packs)
                             for call, before in zip(self.graph.calls, self.packs_before)]
-        self.returned = {p for p in map(_storage_key, _tensors(output)) if p is not None}
+        self.returned = {p for p in map(storage_ptr, _tensors(output)) if p is not None}
 
     def costs(self) -> tuple[dict[OpCall, OpCost], dict[OpCall, tuple[tuple[OpOverload, int], ...]]]:
         """Per call signature: calls, time of the calls a rerun reaches, bytes of the outputs

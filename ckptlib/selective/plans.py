@@ -49,7 +49,8 @@ from ckptlib._arguments import qualname
 from ckptlib.selective.cache import _OpCache, _Saved
 from ckptlib.selective.modes import Policy, ReplaySavedOps, selective_contexts
 from ckptlib.selective.opgraph import _OpGraph, _Skip
-from ckptlib.selective.ops import _input_tensors, _storage_key
+from ckptlib.guards import input_ptrs
+from ckptlib.selective.ops import _input_tensors
 from ckptlib.selective.signatures import _fingerprint, _next_node_number, _signature
 
 
@@ -274,7 +275,7 @@ class SelectivePlans:
         plan = table.get(key) if table is not None else None
         if plan is _NO_PLAN:
             return selective_contexts(policy, replay_random=replay_random)
-        inputs = frozenset([p for p in map(_storage_key, _input_tensors(args, kwargs)) if p is not None])
+        inputs = frozenset(input_ptrs(_input_tensors(args, kwargs)))
         if plan is None:
             forward, recompute = selective_contexts(policy, replay_random=replay_random)
             if table is not None:
