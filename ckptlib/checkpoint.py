@@ -58,7 +58,7 @@ and all, and compiles the code before and after it. With ``fullgraph=True`` the
 break is an error that says so. A compiled function *inside* a checkpoint runs
 compiled in forward and in the rerun alike.
 
-Extension points (only selective checkpointing, ``ckptlib.policies``, uses them).
+Extension points (only selective checkpointing, ``ckptlib.selective``, uses them).
 ``context_fn`` gives a forward and a recomputation context, as in
 ``torch.utils.checkpoint``. If the forward context has a method
 ``observe_saved_tensors()``, the frame calls it once and passes every tensor it
