@@ -786,6 +786,38 @@ def test_frame_and_its_inputs_die_during_backward_not_after():
     assert seen == [True]
 
 
+def test_record_trace_hands_each_event_over_as_it_happens():
+    # What a live view (the BackwardStepper) needs: each event while the checkpoint runs, in
+    # order, the same objects the trace records.
+    seen: list[tuple[str, bool, int]] = []
+    outputs: list[torch.Tensor] = []
+
+    def on_event(event) -> None:
+        seen.append((event.kind, is_recomputing(), len(outputs)))
+
+    x = torch.randn(3, requires_grad=True)
+    with record_trace(on_event=on_event) as trace:
+        outputs.append(checkpoint(lambda t: t.sin().exp(), x))
+        outputs[0].sum().backward()
+    assert [kind for kind, _, _ in seen] == [event.kind for event in trace.events] == [
+        "pack", "pack", "forward_done", "recompute", "unpack", "unpack"]
+    assert [made_before_return for _, _, made_before_return in seen[:3]] == [0, 0, 0]  # inside the call
+    assert not any(recomputing for _, recomputing, _ in seen)   # the rerun's packs are not events
+    with record_trace() as quiet:      # without on_event: recorded only, as before
+        checkpoint(torch.sin, x)
+    assert quiet.on_event is None and quiet.count("pack") == 1
+
+
+def test_an_on_event_that_raises_ends_the_checkpointed_call_and_closes_the_trace():
+    def on_event(event) -> None:
+        raise RuntimeError("viewer broke")
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="viewer broke"), record_trace(on_event=on_event):
+        checkpoint(torch.sin, x)
+    assert not saved_hooks_installed() and not ckptlib.trace._active_traces
+
+
 def test_trace_tells_which_dropped_tensors_free_memory():
     layer = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with record_trace() as trace:
