@@ -208,27 +208,37 @@ def _torch_save_on_cpu(device: torch.device) -> ContextManager:
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
 
 
-def _groups(config: Config, device: torch.device) -> list[Group]:
-    size = config.blocks
+def _plain(size: TransformerSize, device: torch.device) -> tuple[TinyTransformer, tuple[torch.Tensor, torch.Tensor]]:
+    """The model every variant of a group is compared with, and the batch they all train on."""
     plain = size.build(device)
-    batch = plain.example_batch(batch=size.batch)
-    blocks = Group("blocks", "Per-block checkpointing", size.describe(), [
+    return plain, plain.example_batch(batch=size.batch)
+
+
+def _per_block(size: TransformerSize, device: torch.device, plain: TinyTransformer,
+               batch: tuple[torch.Tensor, torch.Tensor]) -> list[Variant]:
+    """Plain autograd, and torch's and ckptlib's checkpoint around each block."""
+    return [
         Variant("plain", "plain autograd", plain, batch),
         Variant("torch", "torch.utils.checkpoint per block", size.build(device, checkpointing="torch"), batch),
         Variant("ckptlib", "ckptlib.checkpoint per block", size.build(device, checkpointing="block"), batch),
+    ]
+
+
+def _groups(config: Config, device: torch.device) -> list[Group]:
+    size = config.blocks
+    plain, batch = _plain(size, device)
+    blocks = Group("blocks", "Per-block checkpointing", size.describe(), [
+        *_per_block(size, device, plain, batch),
         Variant("sqrt", "checkpoint_sequential, sqrt(n) segments", size.build(device, checkpointing="sqrt"), batch),
         Variant(METER_VARIANTS["peak"], "plain, under the live-tensor meter", plain, batch, metered="peak"),
         Variant(METER_VARIANTS["timeline"], "plain, meter recording a timeline", plain, batch, metered="timeline"),
     ], pairs={"ckptlib_vs_torch": ("ckptlib", "torch")})
 
     size = config.selective
-    plain = size.build(device)
-    batch = plain.example_batch(batch=size.batch)
+    plain, batch = _plain(size, device)
     cost_policy = _cost_policy(size, device)
     selective = Group("selective", "Selective checkpointing", size.describe(), [
-        Variant("plain", "plain autograd", plain, batch),
-        Variant("torch", "torch.utils.checkpoint per block", size.build(device, checkpointing="torch"), batch),
-        Variant("ckptlib", "ckptlib.checkpoint per block", size.build(device, checkpointing="block"), batch),
+        *_per_block(size, device, plain, batch),
         Variant("torch_save_matmuls", "torch SAC, save matmuls",
                 _with_runner(size.build(device), partial(_torch_selective, list(save_matmuls))), batch),
         Variant("ckptlib_save_matmuls", "ckptlib selective, save matmuls",
@@ -249,8 +259,7 @@ def _groups(config: Config, device: torch.device) -> list[Group]:
                + f" ({format_bytes(cost_policy.used_bytes)} per block)"})
 
     size = config.blocks
-    plain = size.build(device)
-    batch = plain.example_batch(batch=size.batch)
+    plain, batch = _plain(size, device)
     offload = Group("offload", "Offloading saved tensors to CPU", size.describe(), [
         Variant("plain", "plain autograd", plain, batch),
         Variant("torch_save_on_cpu", "torch.autograd.graph.save_on_cpu", size.build(device), batch,
