@@ -48,6 +48,7 @@ class _InputsOnly(guards.OutsideReads):
     def __init__(self, fn, inputs) -> None:
         self.roots, self.read, self.written, self.saved_leaves = [], [], [], []
         self.inputs = [(weakref.ref(t), t._version) for t in inputs]
+        self.fn, self._storages = fn, None   # which saved tensors free memory: not a guard, kept as is
 
     def add_saved_leaf(self, leaf) -> None:
         pass

@@ -58,7 +58,7 @@ and all, and compiles the code before and after it. With ``fullgraph=True`` the
 break is an error that says so. A compiled function *inside* a checkpoint runs
 compiled in forward and in the rerun alike.
 
-Extension points (only selective checkpointing, ``ckptlib.policies``, uses them).
+Extension points (only selective checkpointing, ``ckptlib.selective``, uses them).
 ``context_fn`` gives a forward and a recomputation context, as in
 ``torch.utils.checkpoint``. If the forward context has a method
 ``observe_saved_tensors()``, the frame calls it once and passes every tensor it
@@ -84,6 +84,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckptlib import guards, rng
+from ckptlib._arguments import flags, got
 from ckptlib.guards import StateUpdatedTwiceWarning
 from ckptlib.trace import CheckpointTrace, OpNames, TensorMeta, TraceEvent, publish, record_trace, tracing_active
 
@@ -115,7 +116,7 @@ class _Holder:
     def __init__(self, frame: "_Frame", index: int, frees_memory: bool) -> None:
         self.frame = frame
         self.index = index
-        self.frees_memory = frees_memory  # False for inputs, parameters and views of them
+        self.frees_memory = frees_memory  # False for inputs, parameters, buffers and views of them
         self.recomputed: dict[int, Any] = {}
         self.unpack_count = 0
 
@@ -129,7 +130,7 @@ class PackedInfo:
     meta: TensorMeta
     unpack_count: int
     recompute_count: int
-    frees_memory: bool = True  # False when dropping it freed nothing (an input, a parameter, a view of one)
+    frees_memory: bool = True  # False when dropping it freed nothing (an input, a parameter, a buffer, a view of one)
 
 
 class _Peek:
@@ -299,15 +300,28 @@ class _Frame:
         ptr = guards.storage_ptr(tensor)
         base = tensor._base
         leaf = tensor if tensor.is_leaf else base if base is not None and base.is_leaf else None
-        if leaf is not None:   # a parameter (or weight.t()): its version is checked before a rerun
+        if leaf is not None:   # its version is checked before a rerun (one made inside dies first: skipped)
             self.reads.add_saved_leaf(leaf)
-        # Dropping a leaf, a view of one or an input's alias frees nothing: they live on anyway.
-        holder = _Holder(self, len(self.weak_holders), leaf is None and not (ptr and ptr in self.input_ptrs))
+        holder = _Holder(self, len(self.weak_holders), self._frees_memory(leaf, ptr))
         self.weak_holders.append(weakref.ref(holder))
         self.keys.append(guards.saved_key(tensor, ptr, self.input_ptrs))
         if self.op_names is not None:
             self._trace_pack(holder, tensor, ptr)
         return holder
+
+    def _frees_memory(self, leaf: torch.Tensor | None, ptr: int | None) -> bool:
+        """Does dropping a saved tensor free memory, or does it live on outside the region anyway?
+
+        Outside: whatever shares an input's storage; a leaf that requires grad (a parameter, an
+        input) or a view of one; and a leaf without grad whose storage a tensor reached from ``fn``
+        holds (a buffer, a captured constant). Every tensor without grad is a leaf, so a leaf without
+        grad may also be made inside (dropout's mask, layer norm's mean): that one frees memory.
+        """
+        if ptr and ptr in self.input_ptrs:
+            return False
+        if leaf is None:
+            return True
+        return not (leaf.requires_grad or (ptr and self.reads.holds_storage(ptr)))
 
     def _trace_pack(self, holder: _Holder, tensor: torch.Tensor, ptr: int | None) -> None:
         meta = self.meta(holder.index)
@@ -559,25 +573,24 @@ def _autocast(state) -> ContextManager:
 # ---------------------------------------------------------------------------
 
 
-def require_flag(caller: str, name: str, value: Any, *, none_ok: bool = False) -> None:
-    """A TypeError naming ``caller``'s argument ``name`` unless ``value`` is a bool (or None if ``none_ok``)."""
-    if isinstance(value, bool) or (none_ok and value is None):
+def check_not_reentrant(where: str, use_reentrant: Any, instead: str) -> None:
+    """Accept ``use_reentrant`` ``None`` or ``False`` (for drop-in compatibility); refuse ``True``,
+    pointing to ``instead``, the torch function that has the reentrant variant."""
+    if use_reentrant is None or use_reentrant is False:
         return
-    accepted = "None or False" if none_ok else "True or False"
-    raise TypeError(f"{caller}: {name} must be {accepted}, got {value!r} ({type(value).__name__}).")
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"{where}: use_reentrant must be None or False, {got(use_reentrant)}.")
+    runs = "ckptlib.checkpoint is" if where == "checkpoint" else f"{where} runs ckptlib.checkpoint, which is"
+    raise ValueError(f"{runs} always non-reentrant; drop use_reentrant=True (or use {instead}).")
 
 
-def _check_arguments(fn: Any, flags: dict[str, Any], context_fn: Any, use_reentrant: Any) -> None:
+def _check_arguments(fn: Any, flag_values: dict[str, Any], context_fn: Any, use_reentrant: Any) -> None:
     """Refuse bad arguments at the call, before anything runs."""
     if not callable(fn):
         raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
                         "Pass the function or module itself, e.g. checkpoint(block, x).")
-    for name, value in flags.items():
-        require_flag("checkpoint", name, value)
-    require_flag("checkpoint", "use_reentrant", use_reentrant, none_ok=True)
-    if use_reentrant:
-        raise ValueError("ckptlib.checkpoint is always non-reentrant; drop use_reentrant=True "
-                         "(or use torch.utils.checkpoint for the reentrant variant).")
+    flags("checkpoint", **flag_values)
+    check_not_reentrant("checkpoint", use_reentrant, "torch.utils.checkpoint for the reentrant variant")
     if context_fn is not None and not callable(context_fn):
         raise TypeError(f"checkpoint: context_fn must be None or a function returning two context managers "
                         f"(forward_context, recompute_context), got {type(context_fn).__name__}.")

@@ -56,6 +56,14 @@ Python float, a global flag: the key check sees those only when they change
 what is saved). The walk costs time in proportion to what it reaches: checkpoint
 a block (``checkpoint(block, x)``), not a lambda that closes over the whole model.
 
+Which saved tensors free memory. The same walk, this time also through the
+global names a function's code reads (a notebook's ``lambda t: model(t)``), gives
+the storages the region reads from outside (:meth:`OutsideReads.holds_storage`):
+a saved tensor without grad that shares one of them (a buffer, a captured
+constant) frees nothing when dropped, while one made inside (dropout's mask)
+does. It is walked once per call, and only when a tensor without grad is saved;
+the version check stays with the cheaper walk it runs at every call.
+
 State written twice. The rerun is a second forward pass, so a region's in-place
 updates of module state happen twice: BatchNorm in train mode moves its running
 statistics twice per step (``torch.utils.checkpoint`` too). The tensors the
@@ -71,7 +79,7 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.nn as nn
@@ -105,18 +113,25 @@ class StateUpdatedTwiceWarning(UserWarning):
 
 
 def storage_ptr(tensor: torch.Tensor) -> int | None:
-    """Where ``tensor``'s storage starts; ``None`` for layouts without one (sparse, nested, mkldnn)."""
-    if tensor.layout is not torch.strided or tensor.is_nested:
+    """Where ``tensor``'s storage starts: which memory it lives in, shared by its views and aliases.
+
+    ``None`` where there is no memory to compare: layouts without a storage (sparse, mkldnn,
+    jagged nested), wrapper subclasses without one of their own (FSDP2's sharded parameters),
+    and empty or meta tensors (pointer 0). Selective checkpointing's op graph uses it too.
+    """
+    try:
+        return tensor.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):
         return None
-    return tensor.untyped_storage().data_ptr()
 
 
-def saved_key(tensor: torch.Tensor, ptr: int | None, input_ptrs: set[int]) -> tuple:
+def saved_key(tensor: torch.Tensor, ptr: int | None, input_ptrs: Collection[int]) -> tuple:
     """(shape, dtype, device, producer) of a saved tensor; ``ptr`` is its :func:`storage_ptr`.
 
     A view's producer is its base's, marked as a view: which node makes a view depends on
     the dispatch path (``reshape`` is a ``ReshapeAliasBackward0`` normally, a
     ``ViewBackward0`` under a dispatch mode such as selective checkpointing's rerun).
+    Selective checkpointing's plans extend this key with the node's place (``_fingerprint``).
     """
     if ptr and ptr in input_ptrs:
         return (tensor.shape, tensor.dtype, tensor.device, INPUT)
@@ -159,8 +174,9 @@ def key_mismatch(index: int, forward: tuple, rerun: tuple) -> str:
 # ---------------------------------------------------------------------------
 
 
-def _roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
-    """(label, module or tensor) for everything reachable from ``fn`` (see the notes)."""
+def _roots(fn: Callable[..., Any], through_globals: bool = False) -> list[tuple[str, Any]]:
+    """(label, module or tensor) for everything reachable from ``fn`` (see the notes); with
+    ``through_globals``, also through the global names a function's code reads."""
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
 
@@ -192,6 +208,11 @@ def _roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
                 visit(name, default, depth + 1)
             for name, default in (obj.__kwdefaults__ or {}).items():
                 visit(name, default, depth + 1)
+            if through_globals:
+                module_globals = getattr(obj, "__globals__", {})
+                for name in obj.__code__.co_names:
+                    if name in module_globals:
+                        visit(name, module_globals[name], depth + 1)
         elif isinstance(obj, (list, tuple)) and depth > 0:
             for position, item in enumerate(obj):
                 visit(f"{label}[{position}]", item, depth + 2)   # one level only
@@ -237,6 +258,7 @@ class OutsideReads:
     """
 
     def __init__(self, fn: Callable[..., Any], inputs: list[torch.Tensor]) -> None:
+        self.fn = fn
         self.roots = [(type(fn).__name__, fn)] if isinstance(fn, nn.Module) else _roots(fn)
         self.inputs = [(weakref.ref(t), t._version) for t in inputs]
         reached: list[torch.Tensor] = []
@@ -246,6 +268,23 @@ class OutsideReads:
         self.read = [(t, t._version) for t in reached]  # read-only until after_forward
         self.written: list[torch.Tensor] = []
         self.saved_leaves: list[tuple[weakref.ReferenceType, int]] = []
+        self._storages: set[int] | None = None   # made on first need by holds_storage
+
+    def holds_storage(self, ptr: int) -> bool:
+        """Does a tensor reached from ``fn`` (a parameter, a buffer, a captured tensor) own storage ``ptr``?
+
+        Asked to tell whether dropping a saved tensor frees memory, so it also follows the global
+        names ``fn``'s code reads (a notebook's ``lambda t: model(t)``), which the version check does not.
+        """
+        if self._storages is None:
+            reached = [tensor for tensor, _ in self.read] + self.written
+            if not isinstance(self.fn, nn.Module):
+                modules_seen: set[int] = set()
+                for _, obj in _roots(self.fn, through_globals=True):
+                    _add_tensors(obj, reached, modules_seen)
+            self._storages = {p for p in map(storage_ptr, reached) if p}
+        return ptr in self._storages
+
 
     def add_saved_leaf(self, leaf: torch.Tensor) -> None:
         """A leaf (or the base of a view) that an op saved in forward: kept weakly, with its version."""

@@ -10,7 +10,7 @@ share one switch, ``checkpointing``, that decides how the blocks are run:
             around each block (the reference ckptlib is compared with)
 ``"sqrt"``  ``ckptlib.sequential.checkpoint_sequential`` with the
             ``ckptlib.schedules.sqrt_n`` plan for the n blocks
-``"selective"`` ``ckptlib.policies.selective_checkpoint`` around each block with the
+``"selective"`` ``ckptlib.selective.selective_checkpoint`` around each block with the
             ``save_matmuls`` policy: matmul outputs are kept, the rest recomputed
 a ``Plan``  ``checkpoint_sequential`` with that ``ckptlib.schedules.Plan``
 ==========  ================================================================
@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckptlib._arguments import got, integer, number
 from ckptlib.checkpoint import checkpoint
-from ckptlib.policies import save_matmuls, selective_checkpoint
+from ckptlib.selective import save_matmuls, selective_checkpoint
 
 if TYPE_CHECKING:
     from ckptlib.schedules import Plan

@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from ckptlib.checkpoint import require_flag
+from ckptlib._arguments import flag
 
 __all__ = ["offload_saved_tensors"]
 
@@ -110,7 +110,7 @@ class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, pin_memory: bool = True) -> None:
-        require_flag("offload_saved_tensors", "pin_memory", pin_memory)
+        flag(pin_memory, "pin_memory", where="offload_saved_tensors")
         self.pin_memory = pin_memory
         self.offloaded_bytes = 0
         self.kept_count = 0

@@ -14,10 +14,14 @@ from ckptlib.selective import *  # noqa: F401,F403  (the public names, as before
 from ckptlib.selective import __all__  # noqa: F401
 
 _MODULES = ("entry", "modes", "cache", "opgraph", "ops", "plans", "signatures", "costs")
+_RENAMED = {"_storage_key": ("ckptlib.guards", "storage_ptr")}   # one storage rule for checkpoint and selective
 
 
 def __getattr__(name: str) -> Any:
     """An old private name (``_OpGraph``, ``_fingerprint`` ...), from the module that holds it now."""
+    if name in _RENAMED:
+        module_name, new_name = _RENAMED[name]
+        return getattr(importlib.import_module(module_name), new_name)
     for module_name in _MODULES:
         module = importlib.import_module(f"ckptlib.selective.{module_name}")
         if name in vars(module):

@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ckptlib.checkpoint import checkpoint, require_flag
+from ckptlib._arguments import flag, integer
+from ckptlib.checkpoint import check_not_reentrant, checkpoint
 from ckptlib.schedules import LayerCost, Plan, Segment, Step, uniform
 
 __all__ = ["checkpoint_sequential", "measure_layer_costs"]
@@ -74,11 +75,8 @@ def checkpoint_sequential(
         raise ValueError("checkpoint_sequential: modules is empty; pass at least one module (an empty chain "
                          "has nothing to run or checkpoint: use the input as it is).")
     plan = _as_plan(segments_or_plan, len(layers))
-    require_flag("checkpoint_sequential", "preserve_rng_state", preserve_rng_state)
-    require_flag("checkpoint_sequential", "use_reentrant", use_reentrant, none_ok=True)
-    if use_reentrant:
-        raise ValueError("checkpoint_sequential runs ckptlib.checkpoint, which is always non-reentrant; "
-                         "drop use_reentrant=True (or use torch.utils.checkpoint.checkpoint_sequential).")
+    flag(preserve_rng_state, "preserve_rng_state", where="checkpoint_sequential")
+    check_not_reentrant("checkpoint_sequential", use_reentrant, "torch.utils.checkpoint.checkpoint_sequential")
     return _run(plan.body, layers, input, preserve_rng_state)
 
 
@@ -149,11 +147,7 @@ def measure_layer_costs(modules: Modules, input: Any, *, repeat: int = 3) -> lis
     >>> [(cost.input_bytes, cost.saved_bytes) for cost in costs]    # 4 x 8 float32 = 128 bytes
     [(128, 128), (128, 128)]
     """
-    if isinstance(repeat, bool) or not isinstance(repeat, int):
-        raise TypeError(f"measure_layer_costs: repeat must be an integer >= 1, got {repeat!r} "
-                        f"({type(repeat).__name__}).")
-    if repeat < 1:
-        raise ValueError(f"measure_layer_costs: repeat must be an integer >= 1, got {repeat!r}.")
+    integer(repeat, "repeat", least=1, where="measure_layer_costs")
     layers = _as_layers(modules)
     if not layers:
         raise ValueError("measure_layer_costs: modules is empty; pass the layers to measure.")

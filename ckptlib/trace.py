@@ -15,6 +15,11 @@ per call and per rerun; only then does it name ops (``OpNames``, a torch-functio
 mode, which costs a Python call per op) and build events. So the trace costs
 nothing in a training loop that does not record one.
 
+As it happens. ``record_trace(on_event=...)`` also hands each event to a
+function the moment the checkpoint makes it, inside its hook: a tool that
+follows a step live (``ckptlib.widgets.BackwardStepper`` reads the memory meter
+at each event) sees the event where it happens, between the ops around it.
+
 ``TensorMeta`` lives here because the trace is where learners meet it: it is
 what an event says about a saved tensor (shape, dtype, device, bytes), and the
 part of a saved tensor's fingerprint (``ckptlib.guards``) that reads as text.
@@ -32,9 +37,11 @@ import contextlib
 import math
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, ContextManager, Iterator
 
 import torch
+
+from ckptlib._arguments import function
 
 __all__ = ["TensorMeta", "TraceEvent", "CheckpointTrace", "record_trace", "EVENT_KINDS"]
 
@@ -95,13 +102,17 @@ class TraceEvent:
 class CheckpointTrace:
     """Events recorded by :func:`record_trace`; ``print(trace)`` shows one per line."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_event: Callable[[TraceEvent], None] | None = None) -> None:
         self.events: list[TraceEvent] = []
+        self.on_event = on_event
         self._lock = threading.Lock()
 
     def add(self, event: TraceEvent) -> None:
+        """Record ``event``, then hand it to ``on_event`` (if any), in the thread that made it."""
         with self._lock:
             self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
 
     def count(self, kind: str) -> int:
         """How many events of ``kind`` (one of ``EVENT_KINDS``) were recorded."""
@@ -124,9 +135,13 @@ class CheckpointTrace:
 _active_traces: list[CheckpointTrace] = []
 
 
-@contextlib.contextmanager
-def record_trace() -> Iterator[CheckpointTrace]:
+def record_trace(on_event: Callable[[TraceEvent], None] | None = None) -> ContextManager[CheckpointTrace]:
     """Record what every checkpoint does inside the block (and in backward passes run in it).
+
+    Args:
+        on_event: called with each event as the checkpoint makes it, after it is recorded:
+            inside the checkpoint's hook, in the thread that runs it (a backward may run in
+            another). Keep it short; an exception it raises ends the checkpointed call.
 
     >>> import torch, ckptlib
     >>> x = torch.randn(3, requires_grad=True)
@@ -134,8 +149,20 @@ def record_trace() -> Iterator[CheckpointTrace]:
     ...     ckptlib.checkpoint(torch.sin, x).sum().backward()
     >>> print(trace.events[0])  # doctest: +ELLIPSIS
     [sin@...] pack #0 sin 3 float32 on cpu (12 bytes) dropped, but it is an input, a parameter or a view of one: frees nothing
+    >>> kinds = []
+    >>> with record_trace(on_event=lambda event: kinds.append(event.kind)):
+    ...     y = ckptlib.checkpoint(torch.sin, x)
+    ...     kinds.copy()            # both came before checkpoint returned
+    ['pack', 'forward_done']
     """
-    trace = CheckpointTrace()
+    if on_event is not None:
+        function(on_event, "on_event", takes=1, accepts="a function of one TraceEvent, or None",
+                 where="record_trace")
+    return _recording(CheckpointTrace(on_event))
+
+
+@contextlib.contextmanager
+def _recording(trace: CheckpointTrace) -> Iterator[CheckpointTrace]:
     _active_traces.append(trace)
     try:
         yield trace

@@ -786,6 +786,38 @@ def test_frame_and_its_inputs_die_during_backward_not_after():
     assert seen == [True]
 
 
+def test_record_trace_hands_each_event_over_as_it_happens():
+    # What a live view (the BackwardStepper) needs: each event while the checkpoint runs, in
+    # order, the same objects the trace records.
+    seen: list[tuple[str, bool, int]] = []
+    outputs: list[torch.Tensor] = []
+
+    def on_event(event) -> None:
+        seen.append((event.kind, is_recomputing(), len(outputs)))
+
+    x = torch.randn(3, requires_grad=True)
+    with record_trace(on_event=on_event) as trace:
+        outputs.append(checkpoint(lambda t: t.sin().exp(), x))
+        outputs[0].sum().backward()
+    assert [kind for kind, _, _ in seen] == [event.kind for event in trace.events] == [
+        "pack", "pack", "forward_done", "recompute", "unpack", "unpack"]
+    assert [made_before_return for _, _, made_before_return in seen[:3]] == [0, 0, 0]  # inside the call
+    assert not any(recomputing for _, recomputing, _ in seen)   # the rerun's packs are not events
+    with record_trace() as quiet:      # without on_event: recorded only, as before
+        checkpoint(torch.sin, x)
+    assert quiet.on_event is None and quiet.count("pack") == 1
+
+
+def test_an_on_event_that_raises_ends_the_checkpointed_call_and_closes_the_trace():
+    def on_event(event) -> None:
+        raise RuntimeError("viewer broke")
+
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="viewer broke"), record_trace(on_event=on_event):
+        checkpoint(torch.sin, x)
+    assert not saved_hooks_installed() and not ckptlib.trace._active_traces
+
+
 def test_trace_tells_which_dropped_tensors_free_memory():
     layer = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with record_trace() as trace:
@@ -795,6 +827,70 @@ def test_trace_tells_which_dropped_tensors_free_memory():
     assert frees_nothing == [True, True, False]  # the input, weight.t(), then relu's own output
     done = next(e for e in trace.events if e.kind == "forward_done")
     assert "48 bytes of activations freed" in done.detail  # 3 x 4 float32
+
+
+def test_tensors_made_inside_without_grad_free_memory():
+    # Dropout's mask and layer norm's mean and rstd need no grad, so autograd calls them leaves; but
+    # they are made inside the region, and dropping them frees memory like any activation.
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, requires_grad=True)
+    fn = lambda v: F.dropout(F.layer_norm(v * 2, (8,)), 0.5, True)  # noqa: E731
+    with record_trace() as trace:
+        out = checkpoint(fn, x)
+    packs = [e for e in trace.events if e.kind == "pack"]
+    assert [(e.op, "frees nothing" in e.detail) for e in packs] == [
+        ("layer_norm", False), ("layer_norm", False), ("layer_norm", False), ("dropout", False)]
+    done = next(e for e in trace.events if e.kind == "forward_done")
+    assert "288 bytes of activations freed" in done.detail   # v * 2 and the mask (128 each), mean, rstd (16 each)
+    with peek_saved() as peek:
+        out.grad_fn._saved_other   # the dropout mask
+        mask = peek.take()
+    assert (mask.meta.shape, mask.frees_memory) == ((4, 8), True)
+    assert_bitwise(grads_of(lambda: checkpoint(fn, x), [x]), grads_of(lambda: fn(x), [x]))
+
+
+GLOBAL_NORM = nn.BatchNorm1d(8).eval()
+GLOBAL_SCALE = torch.full((8,), 3.0)
+
+
+def scaled_norm_through_globals(v):
+    return GLOBAL_NORM(v) * GLOBAL_SCALE * torch.full((8,), 2.0)
+
+
+class ScaledNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(8).eval()
+        self.register_buffer("scale", torch.full((8,), 3.0))
+
+    def forward(self, v):
+        return self.norm(v) * self.scale * torch.full((8,), 2.0)
+
+
+def scaled_norm_through_a_closure():
+    norm, scale = nn.BatchNorm1d(8).eval(), torch.full((8,), 3.0)
+    return lambda v: norm(v) * scale * torch.full((8,), 2.0)
+
+
+@pytest.mark.parametrize("reached", ["module", "closure", "globals"])
+def test_tensors_from_outside_without_grad_free_nothing(reached):
+    fn = {"module": ScaledNorm, "closure": scaled_norm_through_a_closure,
+          "globals": lambda: scaled_norm_through_globals}[reached]()
+    with record_trace() as trace:
+        checkpoint(fn, torch.randn(4, 8, requires_grad=True) * 1)
+    frees_nothing = ["frees nothing" in e.detail for e in trace.events if e.kind == "pack"]
+    # batch_norm saves its input, running_mean, running_var, weight and two empty statistics (eval
+    # mode); then the products save the constant 3 (from outside) and the constant 2 (made inside).
+    assert frees_nothing == [True, True, True, True, False, False, True, False]
+    done = next(e for e in trace.events if e.kind == "forward_done")
+    assert "32 bytes of activations freed" in done.detail   # only the constant made inside
+
+
+def test_a_saved_input_without_grad_frees_nothing():
+    mask = torch.rand(4) > 0.5
+    with record_trace() as trace:
+        checkpoint(lambda t, m: t * m, torch.randn(4, requires_grad=True), mask.float())
+    assert ["frees nothing" in e.detail for e in trace.events if e.kind == "pack"] == [True]
 
 
 def test_trace_counts_a_tensor_saved_twice_once():

@@ -567,6 +567,25 @@ def test_box_bytes_add_up_to_the_caption(case):
             in dot.source.replace("1.0 KiB", "1024 B"))
 
 
+def test_a_dropout_mask_made_inside_a_checkpoint_is_drawn_as_freeing_memory():
+    # The mask needs no grad (a leaf to autograd) but is made inside the region: dropping it frees
+    # its bytes. A constant captured from outside frees nothing.
+    torch.manual_seed(0)
+    scale = torch.full((8,), 3.0)
+    fn = lambda v: torch.nn.functional.dropout(v.sin(), 0.5, True) * scale  # noqa: E731
+    graph = autograd_graph(checkpoint(fn, torch.randn(4, 8, requires_grad=True)).sum())
+    by_scale, dropout = [n for n in graph.nodes if n.op == "MulBackward0"]
+    (mask,), (constant,) = dropout.saved, by_scale.saved
+    assert (mask.shape, mask.status, mask.frees_memory) == ((4, 8), "dropped", True)
+    assert (constant.shape, constant.status, constant.frees_memory) == ((8,), "dropped", False)
+    assert graph.dropped_bytes == 128   # the mask; sin's input is the region's own (leaf) input
+    drawn = boxes(to_dot(graph))
+    mask_label, mask_style = drawn[f"{dropout.id}.{mask.name}"]
+    assert mask_label.splitlines()[-1] == "dropped" and "color=darkorange" in mask_style
+    constant_label, constant_style = drawn[f"{by_scale.id}.{constant.name}"]
+    assert constant_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey60" in constant_style
+
+
 def test_a_view_of_a_larger_storage_says_what_the_caption_counts():
     x = torch.randn(4, 3)
     w = torch.randn(3, 6, requires_grad=True)

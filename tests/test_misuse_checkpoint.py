@@ -69,6 +69,10 @@ CASES = [
      "CheckpointTrace.count: kind must be one of pack, forward_done, recompute, early_stop, unpack, release; "
      "got 'packs'"),
     ("TensorMeta.of", lambda: TensorMeta.of(None), TypeError, "TensorMeta.of needs a tensor, got NoneType"),
+    ("record_trace on_event str", lambda: record_trace(on_event="print"), TypeError,
+     "record_trace: on_event must be a function of one TraceEvent, or None, got 'print' \\(str\\)"),
+    ("record_trace on_event arity", lambda: record_trace(on_event=lambda: None), TypeError,
+     "record_trace: on_event must be a function of one TraceEvent, or None, but it cannot be called with 1 argument"),
     # rng
     ("capture None", lambda: rng.capture(None), TypeError, "capture: tensors must be a list .* of tensors"),
     ("capture a tensor", lambda: rng.capture(torch.ones(2)), TypeError, "capture: tensors must be a list"),

@@ -243,6 +243,30 @@ def test_tensors_read_from_outside_are_checked_and_named(case):
         out.sum().backward()
 
 
+SAVED_CONSTANT = torch.full((4,), 3.0)
+
+
+@pytest.mark.parametrize("case", ["parameter", "buffer", "saved_global_constant"])
+def test_weights_buffers_and_saved_constants_changed_before_the_rerun_are_refused(case):
+    # Which saved tensors free memory no longer treats every tensor without grad as one from outside;
+    # the version check must still see those that are (a buffer, a constant saved by an op).
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4).eval()
+    cases = {   # (fn, the tensor an in-place update changes, the name in the message)
+        "parameter": (norm, norm.weight, "parameter `BatchNorm1d.weight`"),
+        "buffer": (norm, norm.running_mean, "buffer `BatchNorm1d.running_mean`"),
+        "saved_global_constant": (lambda t: t * SAVED_CONSTANT, SAVED_CONSTANT,   # a global: not reached
+                                  "a tensor the region reads \\(4 float32 on cpu \\(16 bytes\\), a leaf that "
+                                  "does not require grad: a constant"),
+    }
+    fn, changed, name = cases[case]
+    out = checkpoint(fn, torch.randn(2, 4, requires_grad=True) * 1).exp()
+    with torch.no_grad():
+        changed.add_(1.0)
+    with pytest.raises(CheckpointError, match=f"{name}.*was modified in place.*version \\d+ -> \\d+"):
+        out.sum().backward()
+
+
 def test_torch_recomputes_silently_with_the_new_bias():
     # What the check prevents: torch.utils.checkpoint reruns with the updated bias.
     torch.manual_seed(0)

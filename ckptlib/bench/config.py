@@ -37,11 +37,11 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from ckptlib._arguments import flag, integer
 from ckptlib.memory import MemoryMeter, format_bytes
 from ckptlib.models import MLPChain, TinyTransformer
 from ckptlib.offload import offload_saved_tensors
 from ckptlib.selective import SelectivePlans, megatron_attention, policy_from_costs, save_matmuls, selective_checkpoint
-from ckptlib.selective.arguments import _require_bool, _require_int
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 METER_VARIANTS = {"peak": "plain_metered", "timeline": "plain_metered_timeline"}
@@ -61,7 +61,7 @@ class TransformerSize:
 
     def __post_init__(self) -> None:
         for size in fields(self):
-            _require_int("TransformerSize", size.name, getattr(self, size.name), minimum=1)
+            integer(getattr(self, size.name), size.name, least=1, where="TransformerSize", range_apart=True)
 
     def build(self, device: torch.device, **overrides: Any) -> TinyTransformer:
         sizes = dict(depth=self.depth, d_model=self.d_model, heads=self.heads, seq=self.seq, vocab=self.vocab)
@@ -97,7 +97,7 @@ class Config:
 
     def __post_init__(self) -> None:
         """Refuse a setting the run would only fail on minutes later (or measure nothing with)."""
-        _require_int("Config", "rounds", self.rounds, minimum=1)
+        integer(self.rounds, "rounds", least=1, where="Config", range_apart=True)
         for name in ("blocks", "selective"):
             if not isinstance(getattr(self, name), TransformerSize):
                 raise TypeError(f"Config: {name} must be a TransformerSize, got {type(getattr(self, name)).__name__}.")
@@ -107,12 +107,12 @@ class Config:
                 raise ValueError(f"Config: {name} must be a tuple of at least {least} different ints "
                                  f"({why}), got {values!r}.")
             for value in values:
-                _require_int("Config", f"each of {name}", value, minimum=1)
-        _require_int("Config", "scaling_width", self.scaling_width, minimum=1)
-        _require_int("Config", "scaling_batch", self.scaling_batch, minimum=1)
+                integer(value, f"each of {name}", least=1, where="Config", range_apart=True)
+        integer(self.scaling_width, "scaling_width", least=1, where="Config", range_apart=True)
+        integer(self.scaling_batch, "scaling_batch", least=1, where="Config", range_apart=True)
         if self.clock not in CLOCKS:
             raise ValueError(f"Config: clock must be one of {sorted(CLOCKS)}, got {self.clock!r}.")
-        _require_bool("Config", quick=self.quick)
+        flag(self.quick, "quick", where="Config")
 
 
 DEFAULT = Config()
@@ -208,27 +208,37 @@ def _torch_save_on_cpu(device: torch.device) -> ContextManager:
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
 
 
-def _groups(config: Config, device: torch.device) -> list[Group]:
-    size = config.blocks
+def _plain(size: TransformerSize, device: torch.device) -> tuple[TinyTransformer, tuple[torch.Tensor, torch.Tensor]]:
+    """The model every variant of a group is compared with, and the batch they all train on."""
     plain = size.build(device)
-    batch = plain.example_batch(batch=size.batch)
-    blocks = Group("blocks", "Per-block checkpointing", size.describe(), [
+    return plain, plain.example_batch(batch=size.batch)
+
+
+def _per_block(size: TransformerSize, device: torch.device, plain: TinyTransformer,
+               batch: tuple[torch.Tensor, torch.Tensor]) -> list[Variant]:
+    """Plain autograd, and torch's and ckptlib's checkpoint around each block."""
+    return [
         Variant("plain", "plain autograd", plain, batch),
         Variant("torch", "torch.utils.checkpoint per block", size.build(device, checkpointing="torch"), batch),
         Variant("ckptlib", "ckptlib.checkpoint per block", size.build(device, checkpointing="block"), batch),
+    ]
+
+
+def _groups(config: Config, device: torch.device) -> list[Group]:
+    size = config.blocks
+    plain, batch = _plain(size, device)
+    blocks = Group("blocks", "Per-block checkpointing", size.describe(), [
+        *_per_block(size, device, plain, batch),
         Variant("sqrt", "checkpoint_sequential, sqrt(n) segments", size.build(device, checkpointing="sqrt"), batch),
         Variant(METER_VARIANTS["peak"], "plain, under the live-tensor meter", plain, batch, metered="peak"),
         Variant(METER_VARIANTS["timeline"], "plain, meter recording a timeline", plain, batch, metered="timeline"),
     ], pairs={"ckptlib_vs_torch": ("ckptlib", "torch")})
 
     size = config.selective
-    plain = size.build(device)
-    batch = plain.example_batch(batch=size.batch)
+    plain, batch = _plain(size, device)
     cost_policy = _cost_policy(size, device)
     selective = Group("selective", "Selective checkpointing", size.describe(), [
-        Variant("plain", "plain autograd", plain, batch),
-        Variant("torch", "torch.utils.checkpoint per block", size.build(device, checkpointing="torch"), batch),
-        Variant("ckptlib", "ckptlib.checkpoint per block", size.build(device, checkpointing="block"), batch),
+        *_per_block(size, device, plain, batch),
         Variant("torch_save_matmuls", "torch SAC, save matmuls",
                 _with_runner(size.build(device), partial(_torch_selective, list(save_matmuls))), batch),
         Variant("ckptlib_save_matmuls", "ckptlib selective, save matmuls",
@@ -249,8 +259,7 @@ def _groups(config: Config, device: torch.device) -> list[Group]:
                + f" ({format_bytes(cost_policy.used_bytes)} per block)"})
 
     size = config.blocks
-    plain = size.build(device)
-    batch = plain.example_batch(batch=size.batch)
+    plain, batch = _plain(size, device)
     offload = Group("offload", "Offloading saved tensors to CPU", size.describe(), [
         Variant("plain", "plain autograd", plain, batch),
         Variant("torch_save_on_cpu", "torch.autograd.graph.save_on_cpu", size.build(device), batch,

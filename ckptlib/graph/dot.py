@@ -32,6 +32,7 @@ from __future__ import annotations
 import graphviz
 import torch
 
+from ckptlib._arguments import flag, integer
 from ckptlib.graph.nodes import (
     AutogradGraph, GraphNode, SavedTensor, bytes_text, dtype_text, shape_text,
 )
@@ -151,14 +152,11 @@ def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, 
     if collapse not in (None, "module"):
         raise ValueError(f"to_dot: collapse={collapse!r} is not known; use None (every node) or "
                          "'module' (one box per submodule).")
-    if isinstance(depth, bool) or not isinstance(depth, int):
-        raise TypeError(f"to_dot: depth must be an int >= 1 (module path components kept), "
-                        f"got {type(depth).__name__}.")
+    integer(depth, "depth (module path components kept)", where="to_dot")
     if depth < 1:
         raise ValueError(f"to_dot: depth={depth} keeps no part of a module path; use depth >= 1 "
                          "(1: 'blocks', 2: 'blocks.3', ...).")
-    if not isinstance(legend, bool):
-        raise TypeError(f"to_dot: legend must be True or False, got {type(legend).__name__}.")
+    flag(legend, "legend", where="to_dot")
     dot = NotebookDigraph(node_attr=_NODE_ATTR)
     if collapse is None:
         used = _draw_nodes(dot, graph, graph.nodes)

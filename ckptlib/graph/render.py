@@ -31,6 +31,7 @@ from typing import Any
 import graphviz
 import torch
 
+from ckptlib._arguments import integer
 from ckptlib.graph.nodes import AutogradGraph
 from ckptlib.graph.raster import svg_to_png
 from ckptlib.graph.walk import build_graph
@@ -77,9 +78,7 @@ def render_png(dot: Drawable, *, dpi: int = SCREEN_DPI) -> bytes:
     >>> png[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
     True
     """
-    if isinstance(dpi, bool) or not isinstance(dpi, int):
-        raise TypeError(f"render_png: dpi must be an int (dots per inch, 96 is a screen), "
-                        f"got {type(dpi).__name__}.")
+    integer(dpi, "dpi (dots per inch, 96 is a screen)", where="render_png")
     if not 10 <= dpi <= 1200:
         raise ValueError(f"render_png: dpi={dpi} is out of range; use 10..1200 (96 is a screen).")
     source = dot_source(dot, "render_png")

@@ -13,8 +13,10 @@ One idea per module, in the order a call meets them:
 ``plans``         ``SelectivePlans``: later calls reuse a plan and run forward with no mode
 ``signatures``    what must match for that: the call's signature, each saved tensor's fingerprint
 ``costs``         ``policy_from_costs``: a policy from measured time and bytes per op call
-``arguments``     clear errors for bad arguments, raised at the call
 ================  ==========================================================================
+
+Bad arguments are refused at the call by ``ckptlib._arguments``, as everywhere in ckptlib; a
+saved tensor's storage and key come from ``ckptlib.guards``, as in ``ckptlib.checkpoint``.
 
 (``ckptlib.policies``, the old single module, re-exports these names.)
 

@@ -38,12 +38,13 @@ import torch
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ckptlib.selective.arguments import _require_int, _require_number
+from ckptlib._arguments import integer, number
+from ckptlib.guards import storage_ptr
 from ckptlib.selective.cache import _save
 from ckptlib.selective.modes import SaveChosenOps
 from ckptlib.selective.opgraph import _OpGraph
 from ckptlib.selective.ops import (
-    _CACHEABLE_KINDS, _VIEW, _is_parameter_cast, _op_kind, _shapes, _storage_key, _storages, _tensors,
+    _CACHEABLE_KINDS, _VIEW, _is_parameter_cast, _op_kind, _shapes, _storages, _tensors,
 )
 
 aten = torch.ops.aten
@@ -172,7 +173,7 @@ class _OpTimer(TorchDispatchMode):
         (the output's own storages, alive anyway)."""
         self.graph.calls = [call._replace(reached=before < self.packs)
                             for call, before in zip(self.graph.calls, self.packs_before)]
-        self.returned = {p for p in map(_storage_key, _tensors(output)) if p is not None}
+        self.returned = {p for p in map(storage_ptr, _tensors(output)) if p is not None}
 
     def costs(self) -> tuple[dict[OpCall, OpCost], dict[OpCall, tuple[tuple[OpOverload, int], ...]]]:
         """Per call signature: calls, time of the calls a rerun reaches, bytes of the outputs
@@ -208,7 +209,7 @@ def measure_op_costs(fn: Callable[..., Any], *args: Any, repeats: int = 3, **kwa
     16384
     """
     _check_callable("measure_op_costs", fn)
-    _require_int("measure_op_costs", "repeats", repeats, minimum=1)
+    integer(repeats, "repeats", least=1, where="measure_op_costs", range_apart=True)
     runs, graphs = [], []
     for _ in range(1 + repeats):
         timer = _OpTimer()
@@ -334,10 +335,10 @@ def policy_from_costs(fn: Callable[..., Any], *args: Any, memory_ratio: float | 
         raise ValueError("policy_from_costs needs exactly one budget: memory_ratio (a fraction of the "
                          "activations plain autograd saves) or budget_bytes.")
     if memory_ratio is not None:
-        _require_number("policy_from_costs", "memory_ratio", memory_ratio,
-                        what="a fraction of the activations plain autograd saves, e.g. 0.5")
+        number(memory_ratio, "memory_ratio", least=0, note="a fraction of the activations plain autograd saves, "
+               "e.g. 0.5", where="policy_from_costs", range_apart=True)
     _check_budget("policy_from_costs", 0 if budget_bytes is None else budget_bytes, worth)
-    _require_int("policy_from_costs", "repeats", repeats, minimum=1)
+    integer(repeats, "repeats", least=1, where="policy_from_costs", range_apart=True)
     profile = measure_op_costs(fn, *args, repeats=repeats, **kwargs)
     if budget_bytes is None:
         budget_bytes = int(memory_ratio * profile.activation_bytes)
@@ -350,6 +351,6 @@ def _check_callable(where: str, fn: Any) -> None:
 
 
 def _check_budget(where: str, budget_bytes: Any, worth: Any) -> None:
-    _require_int(where, "budget_bytes", budget_bytes, minimum=0, unit=" number of bytes")
-    _require_number(where, "worth", worth, what="how many times full checkpointing's time per byte a "
-                    "kept output must save; 0 fills the budget")
+    integer(budget_bytes, "budget_bytes", least=0, unit=" number of bytes", where=where, range_apart=True)
+    number(worth, "worth", least=0, note="how many times full checkpointing's time per byte a kept output must "
+           "save; 0 fills the budget", where=where, range_apart=True)

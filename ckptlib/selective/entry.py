@@ -31,7 +31,7 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
 from ckptlib.checkpoint import checkpoint
-from ckptlib.selective.arguments import _require_bool
+from ckptlib._arguments import flags
 from ckptlib.selective.modes import Policy, _as_predicate, selective_contexts
 from ckptlib.selective.ops import _tensors
 from ckptlib.selective.plans import SelectivePlans
@@ -88,7 +88,7 @@ def selective_checkpoint(
     True
     """
     _as_predicate(policy)          # a policy that would fail on the first op fails here
-    _require_bool("selective_checkpoint", preserve_rng_state=preserve_rng_state, early_stop=early_stop,
+    flags("selective_checkpoint", preserve_rng_state=preserve_rng_state, early_stop=early_stop,
                   debug=debug, skip_unneeded=skip_unneeded)
     if plans is not None and not isinstance(plans, SelectivePlans):
         raise TypeError(f"plans must be a SelectivePlans (or None), got {type(plans).__name__}.")

@@ -33,7 +33,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptlib.checkpoint import CheckpointError, RecomputeAgain
-from ckptlib.selective.arguments import _qualname, _require_bool
+from ckptlib._arguments import flags, qualname
 from ckptlib.selective.cache import _OpCache, _raise_shape_mismatch, _save
 from ckptlib.selective.opgraph import _from_template, _OpGraph, _Skip
 from ckptlib.selective.ops import (
@@ -83,7 +83,7 @@ def _check_policy_signature(policy: Callable[..., Any]) -> None:
         takes_op = False
     if takes_op and inspect.Parameter.VAR_POSITIONAL in kinds and inspect.Parameter.VAR_KEYWORD in kinds:
         return
-    name = _qualname(policy)
+    name = qualname(policy)
     raise TypeError(f"policy {name}{signature} cannot be called as policy(op, *args, **kwargs): selective "
                     "checkpointing calls it with every aten op, that op's arguments and its keyword "
                     "arguments. Give it the parameters (op, *args, **kwargs), or pass a collection of aten "
@@ -290,7 +290,7 @@ def selective_contexts(policy: Policy, *, replay_random: bool = True,
     >>> forward_mode.cache is recompute_mode.cache
     True
     """
-    _require_bool("selective_contexts", replay_random=replay_random, skip_unneeded=skip_unneeded)
+    flags("selective_contexts", replay_random=replay_random, skip_unneeded=skip_unneeded)
     cache = _OpCache(replay_random)
     return SaveChosenOps(policy, cache, skip_unneeded=skip_unneeded), ReplaySavedOps(cache)
 

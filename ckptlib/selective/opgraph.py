@@ -40,8 +40,9 @@ from typing import Any, Collection, NamedTuple
 import torch
 from torch._ops import OpOverload
 
+from ckptlib.guards import storage_ptr
 from ckptlib.selective.ops import (
-    _MUTATING, _RANDOM, _RANDOM_IN_PLACE, _input_tensors, _storage_key, _tensors, _written_arguments,
+    _MUTATING, _RANDOM, _RANDOM_IN_PLACE, _input_tensors, _tensors, _written_arguments,
 )
 from ckptlib.selective.signatures import _fingerprint
 
@@ -132,7 +133,7 @@ class _OpGraph:
         return value
 
     def note_saved(self, tensor: torch.Tensor) -> None:
-        pointer = _storage_key(tensor)
+        pointer = storage_ptr(tensor)
         value = self.current.get(pointer) if pointer is not None else None
         if value is not None:
             self.saved_values.add(value)
@@ -144,25 +145,25 @@ class _OpGraph:
         """Note one (non-view) op call. Runs for every op of the forward pass: kept lean."""
         current = self.current
         input_tensors = _input_tensors(args, kwargs)
-        input_pointers = [_storage_key(t) for t in input_tensors]
+        input_pointers = [storage_ptr(t) for t in input_tensors]
         inputs = frozenset([current[p] for p in input_pointers if p in current])
         in_place = kind is _MUTATING or kind is _RANDOM_IN_PLACE
         if in_place:
             # Always rerun (in-place ops are cheap, and skipping one would need its aliasing
             # outputs rebuilt); it reads its inputs, and makes a new value where it writes.
             written = [args[i] if i < len(args) else kwargs.get(name) for i, name in _written_arguments(func)]
-            pointers = [_storage_key(t) for t in _tensors(written)]
+            pointers = [storage_ptr(t) for t in _tensors(written)]
             outputs = tuple([self._new_value(p) for p in pointers if p is not None])
             must_run, skip = True, None
         elif type(output) is torch.Tensor:         # the common case, one plain tensor
-            pointer = _storage_key(output)
+            pointer = storage_ptr(output)
             if pointer in input_pointers:
                 return   # returns (a view of) an input, like a view: always rerun, no new value
             template = _template(output)
             must_run = template is None
             outputs = (self._new_value(pointer),) if pointer is not None else ()
         else:
-            output_pointers = [_storage_key(t) for t in _tensors(output)]
+            output_pointers = [storage_ptr(t) for t in _tensors(output)]
             if output_pointers and all(p in input_pointers for p in output_pointers):
                 return   # returns (views of) its inputs, like a view: always rerun, no new values
             # No tensor out (a Python number: a value leaves for Python), or some outputs alias

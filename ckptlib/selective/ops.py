@@ -95,14 +95,6 @@ def _versions(value: Any) -> tuple[int, ...]:
     return tuple(t._version for t in _tensors(value))
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
-    try:
-        pointer = tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
-        return None
-    return pointer or None   # 0: no memory (empty or meta tensors), nothing to depend on
-
-
 @functools.lru_cache(maxsize=None)
 def _written_arguments(func: OpOverload) -> tuple[tuple[int, str], ...]:
     """(position, name) of the arguments ``func`` writes to (``self`` of ``relu_``, ``out=``)."""

@@ -45,11 +45,12 @@ import torch
 from torch._ops import OpOverload
 
 from ckptlib.checkpoint import is_recomputing
-from ckptlib.selective.arguments import _qualname
+from ckptlib._arguments import qualname
 from ckptlib.selective.cache import _OpCache, _Saved
 from ckptlib.selective.modes import Policy, ReplaySavedOps, selective_contexts
 from ckptlib.selective.opgraph import _OpGraph, _Skip
-from ckptlib.selective.ops import _input_tensors, _storage_key
+from ckptlib.guards import input_ptrs
+from ckptlib.selective.ops import _input_tensors
 from ckptlib.selective.signatures import _fingerprint, _next_node_number, _signature
 
 
@@ -265,7 +266,7 @@ class SelectivePlans:
         signature = _signature(fn, args, kwargs, policy, replay_random, early_stop)
         table = None
         if signature is None:
-            self._warn_once("signature", f"SelectivePlans: a call of {_qualname(fn)} has an argument (or a "
+            self._warn_once("signature", f"SelectivePlans: a call of {qualname(fn)} has an argument (or a "
                             "policy) that is not hashable, so it has no signature to find its plan by; such "
                             "calls run as without plans. Pass tensors, numbers, strings, tuples or None.")
         else:
@@ -274,7 +275,7 @@ class SelectivePlans:
         plan = table.get(key) if table is not None else None
         if plan is _NO_PLAN:
             return selective_contexts(policy, replay_random=replay_random)
-        inputs = frozenset([p for p in map(_storage_key, _input_tensors(args, kwargs)) if p is not None])
+        inputs = frozenset(input_ptrs(_input_tensors(args, kwargs)))
         if plan is None:
             forward, recompute = selective_contexts(policy, replay_random=replay_random)
             if table is not None:
@@ -295,7 +296,7 @@ class SelectivePlans:
         try:
             return self._tables.setdefault(owner, {}), function
         except TypeError:      # no weak reference (a builtin), or not hashable
-            self._warn_once("weakref", f"SelectivePlans cannot keep plans for {_qualname(fn)}: plans follow "
+            self._warn_once("weakref", f"SelectivePlans cannot keep plans for {qualname(fn)}: plans follow "
                             "their function through a weak reference, and it has none (a builtin) or is not "
                             "hashable, so every call runs as without plans. Pass a Python function or a "
                             "module instead, e.g. `def f(t): return torch.sin(t)` defined once.")

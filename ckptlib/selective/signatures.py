@@ -35,26 +35,24 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 from torch.utils._pytree import tree_flatten
 
 from ckptlib.checkpoint import _autocast_state
-from ckptlib.selective.ops import _storage_key
+from ckptlib.guards import INPUT, saved_key, storage_ptr
 
 if TYPE_CHECKING:
     from ckptlib.selective.modes import Policy
 
 
 def _fingerprint(tensor: torch.Tensor, input_storages: Collection[int], first_node: int) -> tuple:
-    """What a reused plan checks of each saved tensor: shape, dtype, device, and the autograd
-    node that made it: its kind (``SoftmaxBackward0``) and its place among the nodes the call
-    created (``first_node``: the sequence number of the first); for a view, its base's node (a
-    ``reshape`` is a ``ViewBackward0`` under a dispatch mode and a ``ReshapeAliasBackward0``
-    without one); ``"input"`` for (a view of) an input of the function."""
-    if _storage_key(tensor) in input_storages:
-        return (tensor.shape, tensor.dtype, tensor.device, "input")
-    is_view = tensor._is_view()
-    node = tensor._base.grad_fn if is_view else tensor.grad_fn
-    if node is None:       # a leaf (a parameter) or a view of one
-        return (tensor.shape, tensor.dtype, tensor.device, is_view, None)
+    """What a reused plan checks of each saved tensor: the key a checkpoint's rerun checks
+    (:func:`ckptlib.guards.saved_key`: shape, dtype, device and the kind of autograd node that
+    made it, a view's base's, or "an input"), and the place of that node among the nodes the
+    call created (``first_node``: the sequence number of the first)."""
+    key = saved_key(tensor, storage_ptr(tensor), input_storages)
+    base = tensor._base
+    node = (tensor if base is None else base).grad_fn
+    if node is None or key[3] == INPUT:     # a leaf (a parameter), a view of one, or an input
+        return key
     place = node._sequence_nr() - first_node
-    return (tensor.shape, tensor.dtype, tensor.device, is_view, type(node), place if place >= 0 else "before")
+    return (*key, place if place >= 0 else "before")
 
 
 def _next_node_number() -> int:

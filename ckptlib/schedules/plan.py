@@ -1,4 +1,4 @@
-"""Where to keep activations along a chain of layers: uniform, sqrt(n), log n, Revolve, budgets.
+"""What a checkpointing plan is: nested checkpoints over a chain of layers, and the training step they make.
 
 Design notes
 ============
@@ -87,7 +87,6 @@ of a segment is cut by early stop and not called in its rerun.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, Union
@@ -97,10 +96,7 @@ from ckptlib._arguments import got, integer, number
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = [
-    "Plan", "Segment", "Action", "LayerCost",
-    "uniform", "sqrt_n", "recursive", "revolve", "plan_for_budget",
-]
+__all__ = ["Plan", "Segment", "Action", "LayerCost", "Step"]
 
 
 # ---------------------------------------------------------------------------
@@ -238,6 +234,7 @@ class Plan:
         """The most bytes the plan keeps at once: checkpoints' ``input_bytes`` plus recorded layers'
         ``saved_bytes`` (an upper bound; see "Memory model" in the module notes).
 
+        >>> from ckptlib.schedules import uniform
         >>> uniform(4, 2).peak_bytes([(10, 30, 1.0)] * 4)      # x0 kept, layers 2-3 recorded
         70
         """
@@ -247,6 +244,7 @@ class Plan:
     def forward_s(self, layer_costs: Sequence[LayerCost | Sequence[float]]) -> float:
         """Seconds of layer forwards in one training step (first forward and recomputations).
 
+        >>> from ckptlib.schedules import uniform
         >>> uniform(4, 2).forward_s([(10, 30, 1.0)] * 4)        # 4 layers + 2 recomputed
         6.0
         """
@@ -309,6 +307,7 @@ class Plan:
         forward; red: backward; horizontal bars: checkpoints held.
 
         >>> import matplotlib
+        >>> from ckptlib.schedules import revolve
         >>> matplotlib.use("Agg")
         >>> ax = revolve(8, 2).plot()
         >>> ax.get_xlabel()
@@ -451,254 +450,3 @@ def _checked_costs(layer_costs: Sequence[LayerCost | Sequence[float]], n: int | 
     return [LayerCost(*(number(value, field, least=0, where=f"layer_costs[{layer}] = {cost}")
                         for field, value in zip(LayerCost._fields, cost)))
             for layer, cost in enumerate(costs)]
-
-
-# ---------------------------------------------------------------------------
-# Ready-made plans
-# ---------------------------------------------------------------------------
-
-
-def _segments_then_tail(sizes: Sequence[int]) -> tuple[Step, ...]:
-    """All segments but the last checkpointed (flat); the last one's layers recorded."""
-    body: list[Step] = []
-    start = 0
-    for size in sizes[:-1]:
-        body.append(Segment(start, start + size))
-        start += size
-    return (*body, *range(start, start + sizes[-1]))
-
-
-def uniform(n: int, k: int) -> Plan:
-    """``k`` segments as ``torch.utils.checkpoint.checkpoint_sequential`` makes them.
-
-    The first ``k-1`` segments have ``n // k`` layers each and are checkpointed;
-    the last holds the rest and is recorded. ``checkpoint_sequential(modules, k, x)``
-    runs exactly this plan.
-
-    >>> plan = uniform(16, 4)
-    >>> plan.body[:2]
-    (Segment(start=0, stop=4, body=(0, 1, 2, 3)), Segment(start=4, stop=8, body=(4, 5, 6, 7)))
-    >>> plan.forward_steps, plan.peak_slots, plan.peak_activations
-    (12, 3, 7)
-    """
-    n = integer(n, "n (the number of layers)", least=1, where="uniform")
-    k = integer(k, "k (the number of segments)", least=1, where="uniform")
-    if k > n:
-        raise ValueError(f"uniform({n}, {k}): cannot cut {n} layers into {k} segments; use k <= {n}.")
-    size = n // k
-    return Plan(_segments_then_tail([size] * (k - 1) + [n - size * (k - 1)]), name=f"uniform({n}, {k})")
-
-
-def sqrt_n(n: int) -> Plan:
-    """Segments of ``ceil(sqrt(n))`` layers, all but the last checkpointed (Chen et al. 2016).
-
-    About ``sqrt(n)`` checkpoints plus one segment of ``sqrt(n)`` recorded
-    layers: ``peak_activations <= 2*ceil(sqrt(n)) - 1``, for ``n - ceil(sqrt(n))``
-    recomputed layer forwards. For a perfect square it is ``uniform(n, sqrt(n))``.
-
-    >>> plan = sqrt_n(64)
-    >>> plan.peak_slots, plan.peak_activations, plan.forward_steps
-    (7, 15, 56)
-    """
-    n = integer(n, "n (the number of layers)", least=1, where="sqrt_n")
-    size = math.isqrt(n - 1) + 1  # ceil(sqrt(n))
-    count, rest = divmod(n, size)
-    sizes = [size] * count + ([rest] if rest else [])
-    return Plan(_segments_then_tail(sizes), name=f"sqrt_n({n})")
-
-
-def recursive(n: int) -> Plan:
-    """Chen et al. (2016)'s log n plan: checkpoint the first half, recurse into both halves.
-
-    Body of ``[a, b)``: ``(Segment(a, m, body of [a, m)), *body of [m, b))``
-    with ``m`` the middle. About ``log2 n`` checkpoints and ``(n/2) log2 n``
-    recomputed layer forwards.
-
-    >>> plan = recursive(16)
-    >>> plan.peak_slots, plan.peak_activations, plan.forward_steps
-    (4, 5, 32)
-    """
-    n = integer(n, "n (the number of layers)", least=1, where="recursive")
-
-    def body(start: int, stop: int) -> tuple[Step, ...]:
-        if stop - start == 1:
-            return (start,)
-        middle = start + (stop - start + 1) // 2
-        return (Segment(start, middle, body(start, middle)), *body(middle, stop))
-
-    return Plan(body(0, n), name=f"recursive({n})")
-
-
-def revolve(n: int, slots: int) -> Plan:
-    """Griewank and Walther's binomial checkpointing: fewest recomputations with ``slots`` checkpoints.
-
-    ``slots`` counts checkpoints, the one holding the input ``x0`` included
-    (Griewank-Walther's ``s``). The plan is found by dynamic programming over
-    "advance from ``x_a`` by ``j`` layers, store ``x_{a+j}``, reverse the rest
-    with one slot fewer, then reverse the first ``j`` layers"; its
-    ``forward_steps`` is the optimum ``r*n - C(slots+r, slots+1)``, ``r`` the
-    least integer with ``C(slots+r, slots) >= n``. ``peak_slots <= slots``.
-
-    >>> plan = revolve(10, 2)
-    >>> plan.forward_steps, plan.peak_slots
-    (20, 2)
-    >>> 3 * 10 - math.comb(2 + 3, 2 + 1)       # r = 3: C(5, 2) = 10 >= 10 > C(4, 2)
-    20
-    >>> revolve(10, 3).forward_steps           # r = 2: 2*10 - C(5, 4)
-    15
-    """
-    n = integer(n, "n (the number of layers)", least=1, where="revolve")
-    slots = integer(slots, "slots (checkpoints, x0 included)", least=1, where="revolve")
-    usable = max(1, min(slots, n - 1))  # with n-1 slots no layer is advanced over twice
-    # steps[s][l]: least advances to reverse l layers from a stored input with s slots;
-    # split[s][l]: the first advance j of such a schedule. With no slot left, only a
-    # single layer (reversed from the current state) can be handled.
-    steps = [[0, 0] + [math.inf] * (n - 1)] + [[0] * (n + 1) for _ in range(usable)]
-    split = [[0] * (n + 1) for _ in range(usable + 1)]
-    for s in range(1, usable + 1):
-        for length in range(2, n + 1):
-            steps[s][length], split[s][length] = min(
-                (j + steps[s - 1][length - j] + steps[s][j], j) for j in range(1, length))
-
-    def body(start: int, length: int, s: int) -> tuple[Step, ...]:
-        if length == 1:
-            return (start,)
-        j = split[s][length]
-        return (Segment(start, start + j, body(start, j, s)), *body(start + j, length - j, s - 1))
-
-    return Plan(body(0, n, usable), name=f"revolve({n}, slots={slots})")
-
-
-# ---------------------------------------------------------------------------
-# Plans for a memory budget (dynamic programming, as rotor does)
-# ---------------------------------------------------------------------------
-
-_GRID_STEPS = 512  # memory resolution of plan_for_budget when sizes share no coarser unit
-
-
-def plan_for_budget(layer_costs: Sequence[LayerCost | Sequence[float]], memory_budget: float) -> Plan:
-    """The plan with the least forward time whose :meth:`Plan.peak_bytes` fits ``memory_budget``.
-
-    ``layer_costs`` has one record per layer: ``LayerCost(input_bytes,
-    saved_bytes, forward_s)`` or a plain ``(input_bytes, saved_bytes,
-    forward_s)`` tuple (see :class:`LayerCost`;
-    ``ckptlib.sequential.measure_layer_costs`` measures them). The budget bounds
-    what the plan keeps (checkpoints and recorded layers), not parameters or
-    gradients.
-
-    Dynamic programming over segments ``[a, b)`` and memory left ``m``, as in
-    rotor (Beaumont et al. 2019): the first step of ``[a, b)`` either records
-    layer ``a`` (``m - saved_bytes[a]`` left for ``[a+1, b)``), or checkpoints
-    ``[a, c)``: advance over it, reverse ``[c, b)`` with ``m - input_bytes[a]``,
-    then rerun ``[a, c)`` with ``m``. Sizes are counted in a common unit: exact
-    when all sizes are multiples of ``memory_budget / 512`` or coarser, else
-    rounded up to it (the plan then fits, and is optimal up to that rounding).
-
-    Raises ValueError when no plan fits, naming the least memory that does.
-
-    >>> costs = [LayerCost(input_bytes=100, saved_bytes=200, forward_s=1.0)] * 6
-    >>> plan_for_budget(costs, 1200).forward_steps          # everything recorded fits
-    0
-    >>> plan = plan_for_budget(costs, 700)
-    >>> plan.peak_bytes(costs) <= 700, plan.forward_steps
-    (True, 3)
-    >>> plan_for_budget(costs, 250)
-    Traceback (most recent call last):
-    ...
-    ValueError: no plan runs these 6 layers within 250 bytes: the least any plan keeps is 300 bytes. Raise memory_budget to at least 300, or make the layers smaller.
-    """
-    costs = _checked_costs(layer_costs, None)
-    if not costs:
-        raise ValueError("plan_for_budget: layer_costs is empty; give one LayerCost per layer.")
-    memory_budget = number(memory_budget, "memory_budget", least=0, unit="number of bytes", where="plan_for_budget")
-    n = len(costs)
-    least_bytes, least_body = _least_memory_plan(costs)
-    if least_bytes > memory_budget:
-        raise ValueError(
-            f"no plan runs these {n} layers within {memory_budget} bytes: the least any plan keeps is "
-            f"{least_bytes} bytes. "
-            f"Raise memory_budget to at least {least_bytes}, or make the layers smaller."
-        )
-    # Rounding sizes up can hide plans that fit only just; the least-memory plan is then the answer.
-    body = _fastest_plan_within(costs, memory_budget) or least_body
-    return Plan(body, name=f"plan_for_budget({n} layers, {memory_budget} bytes)")
-
-
-def _body_from_choices(choose, start: int, stop: int, memory: int,
-                       record_size: Sequence[int], checkpoint_size: Sequence[int]) -> tuple[Step, ...]:
-    """Rebuild a body from a DP's choices: ``choose(a, b, memory)`` is -1 (record a) or c (checkpoint [a, c))."""
-    steps: list[Step] = []
-    while start < stop:
-        choice = choose(start, stop, memory)
-        if choice < 0:
-            steps.append(start)
-            memory -= record_size[start]
-            start += 1
-        else:
-            inner = _body_from_choices(choose, start, choice, memory, record_size, checkpoint_size)
-            steps.append(Segment(start, choice, inner))
-            memory -= checkpoint_size[start]
-            start = choice
-    return tuple(steps)
-
-
-def _least_memory_plan(costs: list[LayerCost]) -> tuple[float, tuple[Step, ...]]:
-    """The smallest peak_bytes of any plan (exact), and a plan that has it."""
-    n = len(costs)
-    least: dict[tuple[int, int], float] = {(b, b): 0 for b in range(n + 1)}
-    choice: dict[tuple[int, int], int] = {}
-    for length in range(1, n + 1):
-        for a in range(n - length + 1):
-            b = a + length
-            options = [(costs[a].saved_bytes + least[a + 1, b], -1)]
-            options += [(max(costs[a].input_bytes + least[c, b], least[a, c]), c) for c in range(a + 1, b)]
-            least[a, b], choice[a, b] = min(options)
-    zeros = [0] * n
-    body = _body_from_choices(lambda a, b, _: choice[a, b], 0, n, 0, zeros, zeros)
-    return least[0, n], body
-
-
-def _fastest_plan_within(costs: list[LayerCost], memory_budget: float) -> tuple[Step, ...] | None:
-    """The body with the least recomputation time within the budget, on a memory grid; None if none fits."""
-    import numpy as np
-
-    n = len(costs)
-    sizes = [size for cost in costs for size in cost[:2]]
-    unit: float = memory_budget / _GRID_STEPS
-    if all(isinstance(size, int) for size in sizes) and isinstance(memory_budget, int):
-        common = math.gcd(*sizes) or 1
-        if memory_budget // common <= _GRID_STEPS:
-            unit = common
-    limit = int(memory_budget // unit)
-    record_size = [math.ceil(cost.saved_bytes / unit) for cost in costs]
-    checkpoint_size = [math.ceil(cost.input_bytes / unit) for cost in costs]
-    advanced_s = np.concatenate([[0.0], np.cumsum([cost.forward_s for cost in costs])])
-
-    def after_spending(times: np.ndarray, size: int) -> np.ndarray:
-        # times[..., m - size] at memory level m; infinitely slow where m < size
-        shifted = np.full(times.shape, np.inf)
-        if size <= limit:
-            shifted[..., size:] = times[..., :limit + 1 - size]
-        return shifted
-
-    # time[a, b, m]: least recomputation seconds to reverse layers a..b-1 from a kept x_a with m
-    # memory units; choice[a, b, m]: -1 to record layer a first, c to checkpoint a..c-1 first.
-    time = np.full((n + 1, n + 1, limit + 1), np.inf)
-    time[np.arange(n + 1), np.arange(n + 1)] = 0.0
-    choice = np.full((n + 1, n + 1, limit + 1), -1, dtype=np.int32)
-    for length in range(1, n + 1):
-        for a in range(n - length + 1):
-            b = a + length
-            best = after_spending(time[a + 1, b], record_size[a])
-            if length > 1:
-                cuts = np.arange(a + 1, b)
-                options = ((advanced_s[cuts] - advanced_s[a])[:, None]
-                           + after_spending(time[cuts, b], checkpoint_size[a]) + time[a, cuts])
-                fastest = options.argmin(axis=0)
-                better = options[fastest, np.arange(limit + 1)] < best
-                best = np.where(better, options[fastest, np.arange(limit + 1)], best)
-                choice[a, b] = np.where(better, cuts[fastest], -1)
-            time[a, b] = best
-    if not np.isfinite(time[0, n, limit]):
-        return None
-    return _body_from_choices(lambda a, b, m: int(choice[a, b, m]), 0, n, limit, record_size, checkpoint_size)
