@@ -13,8 +13,8 @@ or keeps a tensor:
 * the live-tensor meter (:class:`ckptlib.memory.MemoryMeter`, counting storages): after
   every aten op, the op, its phase and the bytes alive;
 * :func:`ckptlib.checkpoint.record_trace`: what each checkpoint does (pack,
-  forward_done, recompute, early_stop, unpack, release). The trace's ``add`` is
-  wrapped, so each event is stamped with the ops run so far and the bytes alive then;
+  forward_done, recompute, early_stop, unpack, release), handed to ``on_event`` as it
+  happens, so each event is stamped with the ops run so far and the bytes alive then;
 * a ``saved_tensors_hooks`` pair, the outermost one, for what autograd saves outside
   checkpoints (and for the inputs a checkpoint keeps, which it saves through the hook
   around it). Pack stores ``tensor.detach()``: the same memory, without the link from a
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptlib.checkpoint import TraceEvent, is_recomputing, peek_saved, record_trace
 from ckptlib.graph import AutogradGraph, autograd_graph, trace_modules
+from ckptlib.graph.walk import _walk as walk_nodes
 from ckptlib.memory import MemoryMeter, TimelineEntry, format_bytes
 
 __all__ = ["StepReplay", "Step", "make_step", "describe", "STATES"]
@@ -183,18 +183,6 @@ def _hooks(recorder: _Recorder):
 # ---------------------------------------------------------------------------
 
 
-def _walk(root: Any) -> list[Any]:
-    """Autograd nodes in ``autograd_graph``'s walk order (breadth-first; ids ``n0, n1, ...``)."""
-    order, seen, queue = [root], {root}, deque([root])
-    while queue:
-        for next_fn, _ in queue.popleft().next_functions:
-            if next_fn is not None and next_fn not in seen:
-                seen.add(next_fn)
-                order.append(next_fn)
-                queue.append(next_fn)
-    return order
-
-
 @dataclass(frozen=True)
 class Slot:
     """Where a saved tensor sits in the graph: node id, attribute name (as ``autograd_graph`` names them)."""
@@ -210,7 +198,7 @@ def _slots(loss: torch.Tensor, recorder: _Recorder, graph: AutogradGraph
     """Outer pack number -> slot, and (raw region name, index) -> slot, read without recomputing."""
     by_order: dict[int, Slot] = {}
     by_region: dict[tuple[str, int], Slot] = {}
-    for number, fn in enumerate(_walk(loss.grad_fn)):
+    for number, fn in enumerate(walk_nodes([loss.grad_fn])[0]):  # the walk that numbers n0, n1, ...
         node = graph[f"n{number}"]
         if node.op != fn.name().rsplit("::", 1)[-1]:  # pragma: no cover - autograd_graph changed its walk
             raise RuntimeError(f"BackwardStepper: node n{number} is {node.op} in autograd_graph but "
@@ -281,8 +269,7 @@ class StepReplay:
         devices = [step.device] if step.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             step.prepare()
-            with record_trace() as trace, _hooks(recorder), _modules(step.model) as modules:
-                trace.add = recorder.on_event
+            with record_trace(on_event=recorder.on_event), _hooks(recorder), _modules(step.model) as modules:
                 loss = step.forward()
             recorder.quiet = True
             graph = autograd_graph(loss, params=step.params, modules=modules)
@@ -329,8 +316,7 @@ class StepReplay:
         step.prepare()
         with MemoryMeter(step.device, backend="tensors", on_op=recorder.on_op) as meter:
             recorder.meter = meter
-            with _BeforeOp(recorder.before_op), record_trace() as trace, _hooks(recorder):
-                trace.add = recorder.on_event
+            with _BeforeOp(recorder.before_op), record_trace(on_event=recorder.on_event), _hooks(recorder):
                 loss = step.forward()
                 loss.backward()
                 del loss
