@@ -107,10 +107,13 @@ class PolicyExplorer(WidgetView):
         batch: the input's batch size.
 
     Attributes:
-        rows: one dict per op signature, in forward order: ``"op"``, ``"input_shapes"``,
+        rows: one dict per op signature, in forward order (the table's ``#`` column is the
+            index in this list): ``"op"``, ``"input_shapes"``,
             ``"calls"``, ``"output_bytes"``, ``"time_s"`` (forward time of its calls),
             ``"save_matmuls"`` and ``"cost_policy"`` (does that policy keep it?).
         checkboxes: one ``Checkbox`` per row: ticked means kept.
+        table: the ``GridBox`` of rows: number, checkbox, op, shapes, calls, bytes, time, and
+            whether each ready-made policy keeps it.
         result: the current selection measured: ``"kept_bytes"`` (exact), ``"rerun_ops"``
             (calls of the table's ops the rerun computed, exact), ``"step_s"`` (median time of
             a forward+backward step), ``"kept_rows"`` (indices of the ticked rows).
@@ -172,7 +175,8 @@ class PolicyExplorer(WidgetView):
         for name, widget in (("summary", self.summary), ("plot", self.plot), ("tick-matmuls", self.tick_matmuls),
                              ("clear", self.clear)):
             widget.add_class(f"ckptlib-policy-{name}")  # stable handles for the browser test
-        self.widget = widgets.VBox([widgets.HBox([self.tick_matmuls, self.tick_cost, self.clear]), self._table(),
+        self.table = self._table()
+        self.widget = widgets.VBox([widgets.HBox([self.tick_matmuls, self.tick_cost, self.clear]), self.table,
                                     widgets.Box([self.summary, self.plot],  # side by side where they fit
                                                 layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start"))])
         self._figure = Figure(figsize=(5.4, 3.0), dpi=80)
@@ -232,16 +236,19 @@ class PolicyExplorer(WidgetView):
 
     # -- showing ------------------------------------------------------------------
     def _table(self) -> widgets.GridBox:
-        header = ["keep", "op", "input shapes", "calls", "output", "time", "save_matmuls", "cost policy"]
+        # The "#" column is the row's index in ``rows``, the number ``result["kept_rows"]`` lists:
+        # a notebook can name a selection (two rows share the op ``addmm``) the way the table shows it.
+        header = ["#", "keep", "op", "input shapes", "calls", "output", "time", "save_matmuls", "cost policy"]
         cells: list[widgets.Widget] = [widgets.HTML(f"<b>{title}</b>") for title in header]
-        for row, box in zip(self.rows, self.checkboxes):
+        for number, (row, box) in enumerate(zip(self.rows, self.checkboxes)):
             shapes = ", ".join("x".join(map(str, shape)) for shape in row["input_shapes"])
-            cells += [box, widgets.HTML(f"<code>{row['op']}</code>"), widgets.HTML(f"<small>{shapes}</small>"),
+            cells += [widgets.HTML(str(number)), box, widgets.HTML(f"<code>{row['op']}</code>"),
+                      widgets.HTML(f"<small>{shapes}</small>"),
                       widgets.HTML(str(row["calls"])), widgets.HTML(format_bytes(row["output_bytes"])),
                       widgets.HTML(f"{row['time_s'] * 1e6:.0f} µs"),
                       widgets.HTML("✓" if row["save_matmuls"] else ""), widgets.HTML("✓" if row["cost_policy"] else "")]
         return widgets.GridBox(cells, layout=widgets.Layout(
-            grid_template_columns="40px 150px 230px 40px 80px 64px 110px 90px", grid_gap="0 8px"))
+            grid_template_columns="24px 40px 150px 230px 40px 80px 64px 110px 90px", grid_gap="0 8px"))
 
     def _variants(self) -> dict[str, dict[str, Any]]:
         return {**self.references, "your selection": self.result}

@@ -248,7 +248,9 @@ class ScheduleExplorer(WidgetView):
         if schedule == "revolve":
             return revolve(n, parameter)
         costs = self._chain_for(n)[3]
-        budget = parameter / 100 * sum(cost.saved_bytes for cost in costs)
+        # Whole bytes: with an integer budget plan_for_budget's memory grid is exact, so 100 % is
+        # the plain chain (a float budget rounds the layers' sizes up and would miss it).
+        budget = parameter * sum(cost.saved_bytes for cost in costs) // 100
         plan = plan_for_budget(costs, budget)
         plan.name = f"plan_for_budget({parameter}% = {format_bytes(budget)})"
         return plan
