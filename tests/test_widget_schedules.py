@@ -74,6 +74,11 @@ def test_the_parameter_slider_follows_the_schedule_and_n(explorer):
     explorer.schedule.value = "budget"
     assert (explorer.parameter.description, explorer.parameter.min, explorer.parameter.max,
             explorer.parameter.step) == ("budget %", 5, 100, 5)
+    # A schedule without a parameter shows no leftover number beside the disabled slider.
+    explorer.schedule.value = "sqrt(n)"
+    assert explorer.parameter.disabled and not explorer.parameter.readout
+    explorer.schedule.value = "revolve"
+    assert not explorer.parameter.disabled and explorer.parameter.readout
 
 
 def test_a_budget_the_least_plan_cannot_meet_is_a_message(explorer):

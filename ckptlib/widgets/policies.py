@@ -45,6 +45,8 @@ from ckptlib.widgets._view import HIGHLIGHT, MUTED, WidgetView, png_bytes
 __all__ = ["PolicyExplorer"]
 
 Signature = tuple[Any, tuple[tuple[int, ...], ...]]   # (aten op overload, input shapes)
+# Inline, so that a page's own ``code`` style (a slide deck's larger type) does not apply.
+_MONOSPACE = "font-family:var(--jp-code-font-family, monospace); font-size:90%"
 TIMED_STEPS = 5
 
 
@@ -164,9 +166,9 @@ class PolicyExplorer(WidgetView):
         for box in self.checkboxes:
             box.observe(lambda _change: self._changed(), names="value")
             box.add_class("ckptlib-policy-tick")
-        self.tick_matmuls = widgets.Button(description="tick save_matmuls")
-        self.tick_cost = widgets.Button(description="tick the cost policy")
-        self.clear = widgets.Button(description="clear")
+        self.tick_matmuls = widgets.Button(description="tick save_matmuls", layout=widgets.Layout(width="auto"))
+        self.tick_cost = widgets.Button(description="tick the cost policy", layout=widgets.Layout(width="auto"))
+        self.clear = widgets.Button(description="clear", layout=widgets.Layout(width="auto"))
         self.tick_matmuls.on_click(lambda _button: self.select(lambda row: row["save_matmuls"]))
         self.tick_cost.on_click(lambda _button: self.select(lambda row: row["cost_policy"]))
         self.clear.on_click(lambda _button: self.select(lambda row: False))
@@ -242,13 +244,18 @@ class PolicyExplorer(WidgetView):
         cells: list[widgets.Widget] = [widgets.HTML(f"<b>{title}</b>") for title in header]
         for number, (row, box) in enumerate(zip(self.rows, self.checkboxes)):
             shapes = ", ".join("x".join(map(str, shape)) for shape in row["input_shapes"])
-            cells += [widgets.HTML(str(number)), box, widgets.HTML(f"<code>{row['op']}</code>"),
-                      widgets.HTML(f"<small>{shapes}</small>"),
+            cells += [widgets.HTML(str(number)), box,
+                      widgets.HTML(f"<span style='{_MONOSPACE}'>{row['op']}</span>"),
+                      widgets.HTML(f"<span style='font-size:85%'>{shapes}</span>"),
                       widgets.HTML(str(row["calls"])), widgets.HTML(format_bytes(row["output_bytes"])),
                       widgets.HTML(f"{row['time_s'] * 1e6:.0f} µs"),
                       widgets.HTML("✓" if row["save_matmuls"] else ""), widgets.HTML("✓" if row["cost_policy"] else "")]
-        return widgets.GridBox(cells, layout=widgets.Layout(
-            grid_template_columns="24px 40px 150px 230px 40px 80px 64px 110px 90px", grid_gap="0 8px"))
+        for cell in cells:
+            cell.layout.width = "max-content"
+        # Columns as wide as their widest cell, whatever the font: a slide deck's larger type must
+        # not run one column into the next.
+        return widgets.GridBox(cells, layout=widgets.Layout(grid_template_columns="repeat(9, max-content)",
+                                                            grid_gap="0 12px", align_items="center"))
 
     def _variants(self) -> dict[str, dict[str, Any]]:
         return {**self.references, "your selection": self.result}

@@ -197,7 +197,9 @@ class ScheduleExplorer(WidgetView):
         self._adjusting = True
         try:
             if what is None:
+                # No number beside a disabled slider: a leftover "19" after Revolve reads as a setting.
                 self.parameter.disabled, self.parameter.description = True, "(no parameter)"
+                self.parameter.readout = False
                 return
             name, value = what
             low, high, step = {"k segments": (1, n, 1), "s slots": (1, max(1, n - 1), 1),
@@ -206,7 +208,7 @@ class ScheduleExplorer(WidgetView):
             self.parameter.min, self.parameter.max = min(low, self.parameter.min), max(high, self.parameter.max)
             self.parameter.step, self.parameter.value = step, min(max(value, low), high)
             self.parameter.min, self.parameter.max = low, high
-            self.parameter.disabled, self.parameter.description = False, name
+            self.parameter.disabled, self.parameter.description, self.parameter.readout = False, name, True
         finally:
             self._adjusting = False
 
