@@ -234,6 +234,9 @@ def test_within_half_of_save_matmuls_bytes_the_rerun_computes_5_calls(policy_exp
         if kept["kept_bytes"] == 16 * KIB and kept["rerun_ops"] < 12:
             spare_more.append((row, kept["rerun_ops"]))
     assert spare_more == [(clone, 11), (add, 11)]
+    for row in (clone, add):         # the softmax and one of them
+        kept = _keep_rows(policy_explorer, [softmax, row])
+        assert (kept["kept_bytes"], kept["rerun_ops"]) == (80 * KIB, 7)
     best = _keep_rows(policy_explorer, [softmax, clone, add])
     assert (best["kept_bytes"], best["rerun_ops"]) == (96 * KIB, 5)
 
