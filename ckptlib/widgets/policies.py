@@ -15,8 +15,9 @@ A selection is a policy. Ticked rows become ``policy(op, *args) -> bool``: keep 
 of a call whose signature is ticked. It runs through ``selective_checkpoint`` around the
 block, beside three references: plain autograd (no checkpoint), full checkpointing
 (``ckptlib.checkpoint``), and the two ready-made choices, ``save_matmuls`` and the cost
-policy (``policy_from_costs(block, x, memory_ratio=0.5)``: at most half of what full
-checkpointing drops).
+policy (``policy_from_costs(block, x, memory_ratio=0.5)``: a budget of half the activation
+bytes its profile counts; on the default block that profile counts more than the meter sees
+plain autograd keep, so the policy may keep more than half of what full checkpointing drops).
 
 What is shown, and what can be trusted. *Kept bytes* are exact: the live-tensor meter
 around the forward, minus the block's output (alive in every variant). *Ops rerun*
