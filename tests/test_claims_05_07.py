@@ -24,7 +24,8 @@ from ckptlib import (
     MemoryMeter, MLPChain, TinyTransformer, measure, offload_saved_tensors, record_trace, revolve, save_matmuls,
     selective_checkpoint, sqrt_n, uniform,
 )
-from ckptlib.policies import SelectivePlans
+from ckptlib.selective import SelectivePlans
+from ckptlib.widgets import PolicyExplorer, ScheduleExplorer
 
 aten = torch.ops.aten
 KIB = 1024
@@ -195,6 +196,52 @@ def test_keeping_both_bmm_outputs_skips_nothing_before_them(transformer):
 
 
 # ---------------------------------------------------------------------------
+# Notebook 07, section 1, the explorer: what one kept output spares in the rerun
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def policy_explorer():
+    """The explorer of notebook 07: one block of the section's sizes, batch 1."""
+    explorer = PolicyExplorer(TinyTransformer(depth=1, d_model=64, heads=4, seq=64), batch=1)
+    yield explorer
+    explorer.close()
+
+
+def _keep_rows(explorer, rows) -> dict:
+    explorer.select(lambda row: explorer.rows.index(row) in rows)
+    return explorer.result
+
+
+def test_keeping_fc2s_output_spares_no_call_of_the_rerun(policy_explorer):
+    fc2 = len(policy_explorer.rows) - 1
+    assert policy_explorer.rows[fc2]["op"] == "addmm" and policy_explorer.rows[fc2]["input_shapes"][1] == (64, 256)
+    kept = _keep_rows(policy_explorer, [fc2])
+    assert kept["kept_bytes"] == 16 * KIB
+    assert kept["rerun_ops"] == policy_explorer.references["full checkpoint"]["rerun_ops"] == 13
+
+
+def test_within_half_of_save_matmuls_bytes_the_rerun_computes_5_calls(policy_explorer):
+    matmuls = policy_explorer.references["save_matmuls"]
+    assert (matmuls["kept_bytes"], matmuls["rerun_ops"]) == (224 * KIB, 8)
+    ops = [row["op"] for row in policy_explorer.rows]
+    softmax, clone, add = ops.index("_softmax"), ops.index("clone"), ops.index("add")
+    assert softmax == 5, "the notebook's committed first try names the softmax by its row number"
+    assert _keep_rows(policy_explorer, [softmax])["rerun_ops"] == 9      # itself and the 3 ops that only fed it
+    spare_more = []                    # 16 KiB rows that spare more than their own call
+    for row in range(len(ops)):
+        kept = _keep_rows(policy_explorer, [row])
+        if kept["kept_bytes"] == 16 * KIB and kept["rerun_ops"] < 12:
+            spare_more.append((row, kept["rerun_ops"]))
+    assert spare_more == [(clone, 11), (add, 11)]
+    for row in (clone, add):         # the softmax and one of them
+        kept = _keep_rows(policy_explorer, [softmax, row])
+        assert (kept["kept_bytes"], kept["rerun_ops"]) == (80 * KIB, 7)
+    best = _keep_rows(policy_explorer, [softmax, clone, add])
+    assert (best["kept_bytes"], best["rerun_ops"]) == (96 * KIB, 5)
+
+
+# ---------------------------------------------------------------------------
 # Notebook 07, section 3: FSDP2 gathers nothing more for a recomputation
 # ---------------------------------------------------------------------------
 
@@ -238,8 +285,33 @@ def test_fsdp2_recomputation_uses_the_parameters_gathered_for_backward(monkeypat
 
 
 # ---------------------------------------------------------------------------
-# Notebook 07, section 4: torch.utils.checkpoint is one region in one graph
+# Notebook 07, section 4: ckptlib.checkpoint runs eagerly between two compiled graphs;
+# torch.utils.checkpoint is one region in one graph
 # ---------------------------------------------------------------------------
+
+
+def test_ckptlib_checkpoint_is_a_graph_break_between_two_compiled_graphs():
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+    x = torch.randn(64, 32, requires_grad=True)
+    graphs = []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append([node.name for node in graph_module.graph.nodes
+                       if node.op in ("call_function", "call_method", "call_module")])
+        return graph_module.forward
+
+    def with_ckptlib(inp):
+        return ckptlib.checkpoint(mlp, inp * 2).sin()
+
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(with_ckptlib)(x)
+    assert (explanation.graph_count, explanation.graph_break_count) == (2, 1)
+    assert "torch.compiler.disable" in explanation.break_reasons[0].reason
+    torch._dynamo.reset()
+    torch.compile(with_ckptlib, backend=recording_backend)(x).sum().backward()
+    assert graphs == [["mul"], ["sin"]], "the checkpointed MLP itself is not compiled"
+    torch._dynamo.reset()
 
 
 def test_torch_checkpoint_compiles_without_a_graph_break():
@@ -307,6 +379,24 @@ def test_revolve_with_3_slots_measures_about_a_third_of_plain_at_16_blocks():
     assert revolve(16, 3).peak_activations == 4
     assert revolve_peak // (4 * 8 * 256) == 6    # 4 kept, 2 in flight (and a few bytes of scalars)
     assert 0.3 < revolve_peak / plain_peak < 0.4
+
+
+@pytest.mark.parametrize("n", [4, 8, 20, 33])
+def test_revolve_gets_under_2n_forward_calls_only_with_every_input_stored(n):
+    under_2n = [slots for slots in range(1, n) if revolve(n, slots).forward_calls < 2 * n]
+    assert under_2n == [n - 1] and revolve(n, n - 1).forward_calls == 2 * n - 1
+
+
+def test_on_the_explorers_chain_revolve_under_2n_peaks_like_plain_and_sqrt_n_far_below():
+    explorer = ScheduleExplorer(n=20, schedule="revolve")
+    try:
+        peaks = {name: explorer.measure_plan(explorer.plan_for(name, 20, parameter))[0]
+                 for name, parameter in (("none", None), ("revolve", 19), ("sqrt(n)", None))}
+    finally:
+        explorer.close()
+    assert peaks["revolve"] == peaks["none"]
+    assert peaks["sqrt(n)"] < peaks["none"] * 0.6
+    assert sqrt_n(20).forward_calls < 2 * 20
 
 
 # ---------------------------------------------------------------------------

@@ -98,3 +98,16 @@ def test_display_gives_the_widget_view_and_a_stable_text(explorer):
     bundle = explorer._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert bundle["text/plain"] == f"PolicyExplorer({len(explorer.rows)} op signatures, 1 kept)"
+
+
+def test_the_table_numbers_each_row_as_kept_rows_does(explorer):
+    # Two rows can share an op (four addmm): the number in the "#" column names a row.
+    columns = 9
+    cells = explorer.table.children
+    assert [cell.value for cell in cells[:2]] == ["<b>#</b>", "<b>keep</b>"]
+    for number, box in enumerate(explorer.checkboxes):
+        assert cells[columns * (number + 1)].value == str(number)
+        assert cells[columns * (number + 1) + 1] is box
+    explorer.select(lambda row: row["op"] == "addmm")
+    assert explorer.result["kept_rows"] == [i for i, row in enumerate(explorer.rows) if row["op"] == "addmm"]
+    assert len(explorer.result["kept_rows"]) == 4

@@ -74,6 +74,11 @@ def test_the_parameter_slider_follows_the_schedule_and_n(explorer):
     explorer.schedule.value = "budget"
     assert (explorer.parameter.description, explorer.parameter.min, explorer.parameter.max,
             explorer.parameter.step) == ("budget %", 5, 100, 5)
+    # A schedule without a parameter shows no leftover number beside the disabled slider.
+    explorer.schedule.value = "sqrt(n)"
+    assert explorer.parameter.disabled and not explorer.parameter.readout
+    explorer.schedule.value = "revolve"
+    assert not explorer.parameter.disabled and explorer.parameter.readout
 
 
 def test_a_budget_the_least_plan_cannot_meet_is_a_message(explorer):
@@ -140,3 +145,15 @@ def test_display_gives_the_widget_view_and_a_stable_text(explorer):
     bundle = explorer._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
     assert bundle["text/plain"] == "ScheduleExplorer(sqrt_n(16))"
+
+
+def test_a_budget_of_100_percent_is_the_plain_chain(explorer):
+    # A float budget made plan_for_budget round the layers' sizes up and miss the plain plan
+    # (21 calls, a recomputation, at "100 % of what the plain chain keeps").
+    explorer.n.value = 20
+    explorer.schedule.value = "budget"
+    explorer.parameter.value = 100
+    assert explorer.result["forward_calls"] == explorer.result["theory_forward_calls"] == 20
+    assert explorer.result["forward_steps"] == 0
+    explorer.parameter.value = 50
+    assert explorer.result["plan"] == "plan_for_budget(50% = 320.00 KiB)"

@@ -15,8 +15,9 @@ A selection is a policy. Ticked rows become ``policy(op, *args) -> bool``: keep 
 of a call whose signature is ticked. It runs through ``selective_checkpoint`` around the
 block, beside three references: plain autograd (no checkpoint), full checkpointing
 (``ckptlib.checkpoint``), and the two ready-made choices, ``save_matmuls`` and the cost
-policy (``policy_from_costs(block, x, memory_ratio=0.5)``: at most half of what full
-checkpointing drops).
+policy (``policy_from_costs(block, x, memory_ratio=0.5)``: a budget of half the activation
+bytes its profile counts; on the default block that profile counts more than the meter sees
+plain autograd keep, so the policy may keep more than half of what full checkpointing drops).
 
 What is shown, and what can be trusted. *Kept bytes* are exact: the live-tensor meter
 around the forward, minus the block's output (alive in every variant). *Ops rerun*
@@ -45,6 +46,8 @@ from ckptlib.widgets._view import HIGHLIGHT, MUTED, WidgetView, png_bytes
 __all__ = ["PolicyExplorer"]
 
 Signature = tuple[Any, tuple[tuple[int, ...], ...]]   # (aten op overload, input shapes)
+# Inline, so that a page's own ``code`` style (a slide deck's larger type) does not apply.
+_MONOSPACE = "font-family:var(--jp-code-font-family, monospace); font-size:90%"
 TIMED_STEPS = 5
 
 
@@ -107,10 +110,13 @@ class PolicyExplorer(WidgetView):
         batch: the input's batch size.
 
     Attributes:
-        rows: one dict per op signature, in forward order: ``"op"``, ``"input_shapes"``,
+        rows: one dict per op signature, in forward order (the table's ``#`` column is the
+            index in this list): ``"op"``, ``"input_shapes"``,
             ``"calls"``, ``"output_bytes"``, ``"time_s"`` (forward time of its calls),
             ``"save_matmuls"`` and ``"cost_policy"`` (does that policy keep it?).
         checkboxes: one ``Checkbox`` per row: ticked means kept.
+        table: the ``GridBox`` of rows: number, checkbox, op, shapes, calls, bytes, time, and
+            whether each ready-made policy keeps it.
         result: the current selection measured: ``"kept_bytes"`` (exact), ``"rerun_ops"``
             (calls of the table's ops the rerun computed, exact), ``"step_s"`` (median time of
             a forward+backward step), ``"kept_rows"`` (indices of the ticked rows).
@@ -161,9 +167,9 @@ class PolicyExplorer(WidgetView):
         for box in self.checkboxes:
             box.observe(lambda _change: self._changed(), names="value")
             box.add_class("ckptlib-policy-tick")
-        self.tick_matmuls = widgets.Button(description="tick save_matmuls")
-        self.tick_cost = widgets.Button(description="tick the cost policy")
-        self.clear = widgets.Button(description="clear")
+        self.tick_matmuls = widgets.Button(description="tick save_matmuls", layout=widgets.Layout(width="auto"))
+        self.tick_cost = widgets.Button(description="tick the cost policy", layout=widgets.Layout(width="auto"))
+        self.clear = widgets.Button(description="clear", layout=widgets.Layout(width="auto"))
         self.tick_matmuls.on_click(lambda _button: self.select(lambda row: row["save_matmuls"]))
         self.tick_cost.on_click(lambda _button: self.select(lambda row: row["cost_policy"]))
         self.clear.on_click(lambda _button: self.select(lambda row: False))
@@ -172,7 +178,8 @@ class PolicyExplorer(WidgetView):
         for name, widget in (("summary", self.summary), ("plot", self.plot), ("tick-matmuls", self.tick_matmuls),
                              ("clear", self.clear)):
             widget.add_class(f"ckptlib-policy-{name}")  # stable handles for the browser test
-        self.widget = widgets.VBox([widgets.HBox([self.tick_matmuls, self.tick_cost, self.clear]), self._table(),
+        self.table = self._table()
+        self.widget = widgets.VBox([widgets.HBox([self.tick_matmuls, self.tick_cost, self.clear]), self.table,
                                     widgets.Box([self.summary, self.plot],  # side by side where they fit
                                                 layout=widgets.Layout(flex_flow="row wrap", align_items="flex-start"))])
         self._figure = Figure(figsize=(5.4, 3.0), dpi=80)
@@ -232,16 +239,24 @@ class PolicyExplorer(WidgetView):
 
     # -- showing ------------------------------------------------------------------
     def _table(self) -> widgets.GridBox:
-        header = ["keep", "op", "input shapes", "calls", "output", "time", "save_matmuls", "cost policy"]
+        # The "#" column is the row's index in ``rows``, the number ``result["kept_rows"]`` lists:
+        # a notebook can name a selection (two rows share the op ``addmm``) the way the table shows it.
+        header = ["#", "keep", "op", "input shapes", "calls", "output", "time", "save_matmuls", "cost policy"]
         cells: list[widgets.Widget] = [widgets.HTML(f"<b>{title}</b>") for title in header]
-        for row, box in zip(self.rows, self.checkboxes):
+        for number, (row, box) in enumerate(zip(self.rows, self.checkboxes)):
             shapes = ", ".join("x".join(map(str, shape)) for shape in row["input_shapes"])
-            cells += [box, widgets.HTML(f"<code>{row['op']}</code>"), widgets.HTML(f"<small>{shapes}</small>"),
+            cells += [widgets.HTML(str(number)), box,
+                      widgets.HTML(f"<span style='{_MONOSPACE}'>{row['op']}</span>"),
+                      widgets.HTML(f"<span style='font-size:85%'>{shapes}</span>"),
                       widgets.HTML(str(row["calls"])), widgets.HTML(format_bytes(row["output_bytes"])),
                       widgets.HTML(f"{row['time_s'] * 1e6:.0f} µs"),
                       widgets.HTML("✓" if row["save_matmuls"] else ""), widgets.HTML("✓" if row["cost_policy"] else "")]
-        return widgets.GridBox(cells, layout=widgets.Layout(
-            grid_template_columns="40px 150px 230px 40px 80px 64px 110px 90px", grid_gap="0 8px"))
+        for cell in cells:
+            cell.layout.width = "max-content"
+        # Columns as wide as their widest cell, whatever the font: a slide deck's larger type must
+        # not run one column into the next.
+        return widgets.GridBox(cells, layout=widgets.Layout(grid_template_columns="repeat(9, max-content)",
+                                                            grid_gap="0 12px", align_items="center"))
 
     def _variants(self) -> dict[str, dict[str, Any]]:
         return {**self.references, "your selection": self.result}

@@ -197,7 +197,9 @@ class ScheduleExplorer(WidgetView):
         self._adjusting = True
         try:
             if what is None:
+                # No number beside a disabled slider: a leftover "19" after Revolve reads as a setting.
                 self.parameter.disabled, self.parameter.description = True, "(no parameter)"
+                self.parameter.readout = False
                 return
             name, value = what
             low, high, step = {"k segments": (1, n, 1), "s slots": (1, max(1, n - 1), 1),
@@ -206,7 +208,7 @@ class ScheduleExplorer(WidgetView):
             self.parameter.min, self.parameter.max = min(low, self.parameter.min), max(high, self.parameter.max)
             self.parameter.step, self.parameter.value = step, min(max(value, low), high)
             self.parameter.min, self.parameter.max = low, high
-            self.parameter.disabled, self.parameter.description = False, name
+            self.parameter.disabled, self.parameter.description, self.parameter.readout = False, name, True
         finally:
             self._adjusting = False
 
@@ -248,7 +250,9 @@ class ScheduleExplorer(WidgetView):
         if schedule == "revolve":
             return revolve(n, parameter)
         costs = self._chain_for(n)[3]
-        budget = parameter / 100 * sum(cost.saved_bytes for cost in costs)
+        # Whole bytes: with an integer budget plan_for_budget's memory grid is exact, so 100 % is
+        # the plain chain (a float budget rounds the layers' sizes up and would miss it).
+        budget = parameter * sum(cost.saved_bytes for cost in costs) // 100
         plan = plan_for_budget(costs, budget)
         plan.name = f"plan_for_budget({parameter}% = {format_bytes(budget)})"
         return plan
