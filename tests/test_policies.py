@@ -356,6 +356,15 @@ def test_measure_op_costs_per_call_signature():
     assert "aten.mm.default(16x32, 32x64)" in str(profile)
 
 
+def test_measure_op_costs_does_not_count_a_transposed_weight_as_an_activation():
+    # F.linear saves weight.t(), a view of the parameter: it allocates nothing, and counting
+    # it inflated activation_bytes, so memory_ratio=0.5 let the cost policy keep more than half.
+    lin = torch.nn.Linear(32, 64)
+    x = torch.randn(16, 32)
+    profile = measure_op_costs(lambda t: lin(t).relu(), x, repeats=1)
+    assert profile.activation_bytes == 16 * 64 * 4     # relu's output only
+
+
 def test_choose_ops_is_greedy_by_time_per_byte_and_deterministic():
     def call(op):
         return OpCall(op, ((4, 4),))

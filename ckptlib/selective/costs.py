@@ -151,9 +151,11 @@ class _OpTimer(TorchDispatchMode):
         start = time.perf_counter()
         output = func(*args, **kwargs)
         elapsed_s = time.perf_counter() - start
-        self.created |= _storages(output)
         kind = _op_kind(func)
-        if kind == _VIEW or _is_parameter_cast(func, args):
+        if kind == _VIEW:  # allocates nothing: weight.t() is the parameter's own memory, not an activation
+            return output
+        self.created |= _storages(output)
+        if _is_parameter_cast(func, args):
             return output
         position = self.positions[func]
         self.positions[func] = position + 1
