@@ -360,7 +360,7 @@ def test_measure_op_costs_does_not_count_a_transposed_weight_as_an_activation():
     # F.linear saves weight.t(), a view of the parameter: it allocates nothing, and counting
     # it inflated activation_bytes, so memory_ratio=0.5 let the cost policy keep more than half.
     lin = torch.nn.Linear(32, 64)
-    x = torch.randn(16, 32)
+    x = torch.randn(16, 32, requires_grad=True)   # so addmm saves weight.t() to compute x's gradient
     profile = measure_op_costs(lambda t: lin(t).relu(), x, repeats=1)
     assert profile.activation_bytes == 16 * 64 * 4     # relu's output only
 
