@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ckptlib import checkpoint, policy_from_costs, save_matmuls, selective_checkpoint
 from ckptlib.memory import MemoryMeter, format_bytes
 from ckptlib.models import TinyTransformer
+from ckptlib.selective.ops import _tensors
 from ckptlib.widgets._view import HIGHLIGHT, MUTED, WidgetView, png_bytes
 
 __all__ = ["PolicyExplorer"]
@@ -49,14 +50,6 @@ Signature = tuple[Any, tuple[tuple[int, ...], ...]]   # (aten op overload, input
 # Inline, so that a page's own ``code`` style (a slide deck's larger type) does not apply.
 _MONOSPACE = "font-family:var(--jp-code-font-family, monospace); font-size:90%"
 TIMED_STEPS = 5
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
 
 
 def signature(op: Any, args: tuple) -> Signature:
