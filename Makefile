@@ -47,6 +47,7 @@ figures: setup
 
 bench: setup
 	$(BIN)/python -m ckptlib.bench $(BENCH_ARGS) --json benchmarks/results/cpu.json --markdown benchmarks/README.md --figures figures
+	$(BIN)/python benchmarks/guard_cost.py --json benchmarks/results/guard_cost.json --markdown benchmarks/README.md
 
 # Offline reveal.js decks and the static course site (see tools/classroom.py); the first run
 # installs the pinned browser assets with `npm ci --prefix tools` (needs Node.js and npm).

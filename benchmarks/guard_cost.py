@@ -1,6 +1,7 @@
 """What the forward-vs-rerun guards cost: one checkpointed block, forward and backward.
 
     python benchmarks/guard_cost.py [--rounds 40] [--json benchmarks/results/guard_cost.json]
+                                    [--markdown benchmarks/README.md] [--from-json FILE]
 
 Variants, on an MLPChain block (Linear + ReLU, width 256, batch 8) and a TinyTransformer
 block (d_model 128, 4 heads, seq 64, batch 8):
@@ -163,16 +164,60 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+MARKDOWN_BEGIN = "<!-- guard cost: begin (written by benchmarks/guard_cost.py --markdown) -->"
+MARKDOWN_END = "<!-- guard cost: end -->"
+
+
+def markdown(result: dict) -> str:
+    """The results as a Markdown table: per block, microseconds per step and the ratios."""
+    env = result["environment"]
+    lines = [f"torch {env['torch']}, {env['threads']} thread, {env['clock']}, {env['rounds']} interleaved "
+             f"rounds of {env['steps_per_round']} steps; median us per training step of one block "
+             "(quartiles over rounds in brackets).", "",
+             "| block | plain | torch.utils.checkpoint | ckptlib | ckptlib, guards off | ckptlib / torch "
+             "| ckptlib / guards off | guards cost |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for block_name, numbers in result["blocks"].items():
+        cells = [f"{numbers['median_us_per_step'][name]:.1f} "
+                 f"[{numbers['quartiles_us_per_step'][name][0]:.0f}-{numbers['quartiles_us_per_step'][name][1]:.0f}]"
+                 for name in ("plain", "torch.utils.checkpoint", "ckptlib", "ckptlib, guards off")]
+        ratios = numbers["ratios"]
+        lines.append(f"| {block_name} | " + " | ".join(cells) +
+                     f" | {ratios['ckptlib / torch.utils.checkpoint']:.3f} "
+                     f"| {ratios['ckptlib / ckptlib guards off']:.3f} "
+                     f"| {numbers['guard_cost_us_per_step']:+.1f} us |")
+    return "\n".join(lines)
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    """Replace the text between the guard-cost markers in ``path`` with :func:`markdown`."""
+    text = path.read_text()
+    if MARKDOWN_BEGIN not in text or MARKDOWN_END not in text:
+        raise SystemExit(f"{path} has no guard-cost markers ({MARKDOWN_BEGIN} ... {MARKDOWN_END}); add them "
+                         "where the table should go.")
+    head, rest = text.split(MARKDOWN_BEGIN, 1)
+    _, tail = rest.split(MARKDOWN_END, 1)
+    path.write_text(f"{head}{MARKDOWN_BEGIN}\n{markdown(result)}\n{MARKDOWN_END}{tail}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=20, help="training steps per variant and round")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="write the table between the guard-cost markers of this Markdown file")
+    parser.add_argument("--from-json", type=Path, default=None, help="report a saved run instead of measuring")
     args = parser.parse_args()
-    result = measure(args.rounds, args.steps)
+    if args.from_json is not None:
+        result = json.loads(args.from_json.read_text())
+    else:
+        result = measure(args.rounds, args.steps)
     print(table(result))
-    if args.json is not None:
+    if args.json is not None and args.from_json is None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.markdown is not None:
+        write_markdown(args.markdown, result)
 
 
 if __name__ == "__main__":
