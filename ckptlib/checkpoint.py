@@ -356,7 +356,7 @@ class _Frame:
         counted = filter(None, (self.counted_storages.get(ptr) for ptr in returned if ptr))
         kept_bytes = sum(nbytes for storage, nbytes in counted if not storage.expired())
         self.freed_bytes, self.counted_storages = self.freed_bytes - kept_bytes, {}
-        output_note = f" ({kept_bytes} more stay alive as the region's output)" if kept_bytes else ""
+        output_note = f" ({kept_bytes} more are the region's output, alive while it is)" if kept_bytes else ""
         self.emit("forward_done", detail=f"{len(self.keys)} saved tensors dropped, {self.freed_bytes} "
                   f"bytes of activations freed{output_note}; kept the inputs, RNG and autocast state")
 

@@ -827,7 +827,7 @@ def test_trace_tells_which_dropped_tensors_free_memory():
     assert frees_nothing == [True, True, False]  # the input, weight.t(), then relu's own output
     done = next(e for e in trace.events if e.kind == "forward_done")
     # relu's output is also the region's output: dropping it frees nothing (3 x 4 float32 stay alive)
-    assert "0 bytes of activations freed (48 more stay alive as the region's output)" in done.detail
+    assert "0 bytes of activations freed (48 more are the region's output, alive while it is)" in done.detail
 
 
 @pytest.mark.parametrize("returns", ["the saved tensor", "a view of it", "it in a tuple", "something else"])
@@ -844,7 +844,7 @@ def test_trace_does_not_count_a_saved_tensor_the_region_returns_as_freed(returns
     if returns == "something else":
         assert "16 bytes of activations freed;" in done.detail
     else:
-        assert "0 bytes of activations freed (16 more stay alive as the region's output);" in done.detail
+        assert "0 bytes of activations freed (16 more are the region's output, alive while it is);" in done.detail
     alive = out if isinstance(out, torch.Tensor) else out[1]["e"]
     assert alive.untyped_storage().nbytes() == 16   # it did stay alive
 

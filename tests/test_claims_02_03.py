@@ -262,5 +262,5 @@ def test_03_per_block_trace_counts_the_block_output_as_alive_not_freed():
     relu_output_bytes = 32 * 16 * 4
     # block 0 saves its input and its ReLU output; blocks 1 and 2 also the weight (their input needs grad)
     assert done == [f"{saves} saved tensors dropped, 0 bytes of activations freed ({relu_output_bytes} more "
-                    "stay alive as the region's output); kept the inputs, RNG and autocast state"
+                    "are the region's output, alive while it is); kept the inputs, RNG and autocast state"
                     for saves in (2, 3, 3)]
