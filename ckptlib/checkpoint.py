@@ -270,7 +270,8 @@ class _Frame:
         self.recompute_count = 0
         self.op_names = OpNames() if self.tracing else None
         self.freed_bytes = 0
-        self.counted_storages: dict[int, StorageWeakRef] = {}  # a tensor saved twice frees its bytes once
+        # storage pointer -> (its storage, weakly; bytes counted as freed): saved twice, counted once
+        self.counted_storages: dict[int, tuple[StorageWeakRef, int]] = {}
 
     @property
     def region(self) -> str:
@@ -328,15 +329,15 @@ class _Frame:
         earlier = self.counted_storages.get(ptr) if ptr else None
         if not holder.frees_memory:
             detail = "dropped, but it is an input, a parameter or a view of one: frees nothing"
-        elif earlier is not None and not earlier.expired():
+        elif earlier is not None and not earlier[0].expired():
             detail = "dropped (same storage as an earlier saved tensor: counted once)"
         else:
             detail, self.freed_bytes = "dropped", self.freed_bytes + meta.nbytes
             if ptr:
-                self.counted_storages[ptr] = StorageWeakRef(tensor.untyped_storage())
+                self.counted_storages[ptr] = (StorageWeakRef(tensor.untyped_storage()), meta.nbytes)
         self.emit("pack", holder.index, self.op_names.current, meta, detail)
 
-    def forward_done(self, rng_use: rng.in_use | None) -> None:
+    def forward_done(self, rng_use: rng.in_use | None, output: Any) -> None:
         self.op_names = None
         self.reads.after_forward()
         if rng_use is not None:
@@ -345,8 +346,19 @@ class _Frame:
         if not self.keys:
             # Nothing was saved, so nothing will ever be recomputed: let the inputs go.
             self.saved_inputs = None
+        if self.tracing:
+            self._emit_forward_done(output)
+
+    def _emit_forward_done(self, output: Any) -> None:
+        # A dropped tensor the region also returns (ReLU's output: the next block's input) stays
+        # alive; its bytes, counted as freed at its pack, are taken back here.
+        returned = {guards.storage_ptr(t) for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)}
+        counted = filter(None, (self.counted_storages.get(ptr) for ptr in returned if ptr))
+        kept_bytes = sum(nbytes for storage, nbytes in counted if not storage.expired())
+        self.freed_bytes, self.counted_storages = self.freed_bytes - kept_bytes, {}
+        output_note = f" ({kept_bytes} more are the region's output, alive while it is)" if kept_bytes else ""
         self.emit("forward_done", detail=f"{len(self.keys)} saved tensors dropped, {self.freed_bytes} "
-                  "bytes of activations freed; kept the inputs, RNG and autocast state")
+                  f"bytes of activations freed{output_note}; kept the inputs, RNG and autocast state")
 
     # -- backward ---------------------------------------------------------
     def unpack(self, holder: _Holder) -> torch.Tensor:
@@ -669,7 +681,7 @@ def checkpoint(
             "checkpointing (e.g. torch.cuda.init(), or move the model to the GPU first), or pass "
             "preserve_rng_state=False."
         )
-    frame.forward_done(rng_use)
+    frame.forward_done(rng_use, output)
     return output
 
 

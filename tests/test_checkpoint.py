@@ -826,7 +826,27 @@ def test_trace_tells_which_dropped_tensors_free_memory():
     frees_nothing = ["frees nothing" in e.detail for e in packs]
     assert frees_nothing == [True, True, False]  # the input, weight.t(), then relu's own output
     done = next(e for e in trace.events if e.kind == "forward_done")
-    assert "48 bytes of activations freed" in done.detail  # 3 x 4 float32
+    # relu's output is also the region's output: dropping it frees nothing (3 x 4 float32 stay alive)
+    assert "0 bytes of activations freed (48 more are the region's output, alive while it is)" in done.detail
+
+
+@pytest.mark.parametrize("returns", ["the saved tensor", "a view of it", "it in a tuple", "something else"])
+def test_trace_does_not_count_a_saved_tensor_the_region_returns_as_freed(returns):
+    def fn(t):
+        e = t.exp()          # exp saves its result e (16 bytes), and sin saves e again
+        s = e.sin()          # sin's result: saved by nobody
+        return {"the saved tensor": e, "a view of it": e.view(2, 2), "it in a tuple": (s, {"e": e}),
+                "something else": s * 1.0}[returns]
+
+    with record_trace() as trace:
+        out = checkpoint(fn, torch.randn(4, requires_grad=True))
+    done = next(e for e in trace.events if e.kind == "forward_done")
+    if returns == "something else":
+        assert "16 bytes of activations freed;" in done.detail
+    else:
+        assert "0 bytes of activations freed (16 more are the region's output, alive while it is);" in done.detail
+    alive = out if isinstance(out, torch.Tensor) else out[1]["e"]
+    assert alive.untyped_storage().nbytes() == 16   # it did stay alive
 
 
 def test_tensors_made_inside_without_grad_free_memory():

@@ -1,4 +1,4 @@
-"""The claims notebooks 00, 01, 04 and 06 make in prose, checked with ckptlib and torch.
+"""The claims notebooks 00, 01, 04 and 06 make in prose (and in their pictures), checked with ckptlib and torch.
 
 Each test names the notebook section whose words it checks; when one fails, the notebook's text
 (or a title computed from the same numbers) needs another look, not only the code.
@@ -18,8 +18,10 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 import ckptlib
-from ckptlib import CheckpointError, MLPChain, TinyTransformer, measure
+import ckptlib.widgets
+from ckptlib import CheckpointError, MLPChain, StateUpdatedTwiceWarning, TinyTransformer, measure
 from ckptlib.checkpoint import is_recomputing, record_trace
+from ckptlib.graph import autograd_graph, to_dot, torchviz_dot, trace_modules
 from ckptlib.memory import MemoryMeter
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
@@ -59,6 +61,33 @@ def test_region_names_are_the_function_or_module_then_a_counter():
     assert len(regions) == 1 and re.fullmatch(r"Sequential@\d+", regions.pop())
 
 
+def test_00_graph_draws_the_checkpoints_own_input_as_freeing_nothing():
+    """00's caption: both saves dropped; mat1 (the region's input) frees nothing; 32 B is ReLU's output."""
+    small = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    out = ckptlib.checkpoint(small, torch.randn(2, 4)).sum()
+    graph = autograd_graph(out, params=small)
+    saved = {s.name: s for node in graph.ops for s in node.saved}
+    assert (saved["mat1"].status, saved["mat1"].frees_memory) == ("dropped", False)
+    assert (saved["result"].status, saved["result"].frees_memory) == ("dropped", True)
+    assert (graph.saved_bytes, graph.dropped_bytes) == (0, 2 * 4 * 4)
+    labels = "\n".join(to_dot(graph).body)
+    assert "frees nothing" in labels and "0.weight" in labels and "0.bias" in labels
+
+
+def test_00_course_map_lists_every_notebook_and_the_widget_each_uses():
+    cell = next(c.source for c in nbformat.read(NOTEBOOKS / "00_welcome_and_setup.ipynb", 4).cells
+                if c.source.startswith("## How to use this course"))
+    rows = {line.split("|")[1].strip(): line for line in cell.splitlines() if re.match(r"\| \d\d \|", line)}
+    assert sorted(rows) == sorted(path.name[:2] for path in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    for path in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"):
+        assert f"({path.name})" in rows[path.name[:2]]
+    assert "optional" in rows["08"]
+    uses = {"00": "MemoryDashboard", "02": "BackwardStepper", "03": "BackwardStepper", "05": "ScheduleExplorer",
+            "06": "MemoryDashboard", "07": "PolicyExplorer"}
+    for number, widget in uses.items():
+        assert f"`{widget}`" in rows[number] and hasattr(ckptlib.widgets, widget)
+
+
 # -- 01: autograd graphs ---------------------------------------------------------------------
 
 
@@ -92,6 +121,42 @@ def test_01_backward_runs_twice_through_ops_that_save_nothing():
         loss.backward()
 
 
+def test_01_a_saved_leaf_is_marked_leaf_not_counted():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(4, 3), torch.randn(3, 2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    graph = autograd_graph((torch.tanh(x @ w + b) ** 2).mean(), params={"w": w, "b": b, "x": x})
+    assert "= x (leaf, not counted)" in str(graph)
+    assert graph.saved_bytes == 4 * 2 * 4   # tanh's output, shared with pow: counted once
+    assert "leaf, not counted" in "\n".join(to_dot(graph).body)
+
+
+def test_01_collapsed_module_boxes_add_up_to_the_caption():
+    """01 section 5: each block's box holds its input, the loss its two tensors: 6 x 256 B = 1536 B."""
+    torch.manual_seed(0)
+    model = MLPChain(depth=4, width=16)
+    batch = model.example_batch(batch=4)
+    with trace_modules(model) as modules:
+        loss = model.loss(batch)
+    graph = autograd_graph(loss, modules=modules)
+    body = to_dot(graph, collapse="module").body
+    module_boxes = [int(n) for line in body for n in re.findall(r"saved (\d+) B", line)]
+    loose_boxes = [int(n) for line in body if "fillcolor=orange" in line and "legend" not in line
+                   for n in re.findall(r"\n(\d+) B", line)]
+    assert module_boxes == [256] * 4 and loose_boxes == [256, 256]
+    assert sum(module_boxes) + sum(loose_boxes) == graph.saved_bytes == 1536
+
+
+def test_01_torchviz_dot_displays_without_trusting_the_notebook():
+    """01's cell shows make_dot's drawing through torchviz_dot: a PNG beside the SVG."""
+    pytest.importorskip("torchviz")
+    source = next(c.source for c in nbformat.read(NOTEBOOKS / "01_autograd_graphs.ipynb", 4).cells
+                  if c.source.startswith("# NBVAL_IGNORE_OUTPUT\n# make_dot's drawing"))
+    assert source.rstrip().endswith('torchviz_dot(loss, params={"w": w, "b": b})')
+    w = torch.randn(3, 2, requires_grad=True)
+    png = torchviz_dot((torch.randn(4, 3) @ w).sum(), params={"w": w})._repr_png_()
+    assert png is not None and (png[0] if isinstance(png, tuple) else png).startswith(b"\x89PNG")
+
+
 def test_01_torchviz_walks_recursively():
     """01 section 3: make_dot, like a recursive walk, fails on a 5000-op chain."""
     make_dot = pytest.importorskip("torchviz").make_dot
@@ -123,22 +188,69 @@ def test_04_without_rng_replay_only_the_last_bias_gradient_survives():
     assert all(torch.equal(g, r) for g, r in zip(checkpointed, plain))
 
 
-def test_04_batch_norm_in_a_checkpoint_updates_running_stats_twice():
-    """0.9 * (0.1 m) + 0.1 m = 0.19 m: 1.9 times plain's running mean, counter 2."""
-    def bn_step(wrap):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
-        torch.manual_seed(0)
-        inputs = torch.randn(16, 8) + 3.0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # ckptlib may warn about exactly this
-            wrap(model, inputs).square().sum().backward()
-        return model[1]
+def bn_step(wrap):
+    """One step of 04's BatchNorm model; returns the BatchNorm and the warnings' categories."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
+    torch.manual_seed(0)
+    inputs = torch.randn(16, 8) + 3.0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        wrap(model, inputs).square().sum().backward()
+    return model[1], [warning.category for warning in caught]
 
-    plain, checkpointed = bn_step(lambda m, x: m(x)), bn_step(ckptlib.checkpoint)
+
+def test_04_batch_norm_in_a_checkpoint_updates_running_stats_twice_and_ckptlib_warns():
+    """0.9 * (0.1 m) + 0.1 m = 0.19 m: 1.9 times plain's running mean, counter 2; ckptlib warns
+    once (StateUpdatedTwiceWarning), torch's checkpoint does the same silently."""
+    (plain, plain_warned), (checkpointed, warned) = bn_step(lambda m, x: m(x)), bn_step(ckptlib.checkpoint)
     assert (plain.num_batches_tracked.item(), checkpointed.num_batches_tracked.item()) == (1, 2)
     ratio = checkpointed.running_mean / plain.running_mean
     assert torch.allclose(ratio, torch.full_like(ratio, 1.9), rtol=1e-4)
+    assert (plain_warned, warned) == ([], [StateUpdatedTwiceWarning])
+    torch_bn, torch_warned = bn_step(lambda m, x: torch_checkpoint(m, x, use_reentrant=False))
+    assert torch_bn.num_batches_tracked.item() == 2 and torch_warned == []
+
+
+def test_04_a_context_fn_that_restores_the_statistics_is_not_warned_about():
+    @contextlib.contextmanager
+    def restored(module):
+        buffers = [b for m in module.modules() if isinstance(m, nn.BatchNorm1d) for b in m.buffers()]
+        saved = [b.clone() for b in buffers]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in zip(buffers, saved):
+                    buffer.copy_(value)
+
+    bn, warned = bn_step(lambda m, x: ckptlib.checkpoint(m, x, context_fn=lambda: (contextlib.nullcontext(),
+                                                                                  restored(m))))
+    assert bn.num_batches_tracked.item() == 1 and warned == []
+
+
+def test_04_eval_mode_between_forward_and_backward_is_caught_by_the_producer():
+    """04 section 6: at saved tensor #2 the shapes agree (dropout's mask, then the tanh output)."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Dropout(0.5), nn.Linear(64, 32))
+    out = ckptlib.checkpoint(block, torch.randn(16, 32))
+    block.eval()
+    with pytest.raises(CheckpointError, match=r"saved tensor #2 differs.*16x64 float32 .* a constant .*"
+                                              r"made by TanhBackward0 \(same shape, another operation\)"):
+        out.sum().backward()
+
+
+def test_04_a_changed_scale_attribute_passes_unnoticed():
+    """04 section 6 and Exercise 2: the same ops on other values: no error, a wrong gradient."""
+    torch.manual_seed(0)
+    linear, scale = nn.Linear(8, 8), {"value": 1.0}
+    inputs = torch.randn(4, 8)
+    fn = lambda t: torch.tanh(linear(t) * scale["value"])  # noqa: E731
+    (reference,) = torch.autograd.grad(fn(inputs).sum(), [linear.weight])
+    out = ckptlib.checkpoint(fn, inputs)
+    scale["value"] = 2.0
+    (grad,) = torch.autograd.grad(out.sum(), [linear.weight])
+    assert not torch.equal(grad, reference)
 
 
 def test_04_metadata_check_catches_a_rerun_in_another_precision():

@@ -8,6 +8,11 @@
 - 03, section 6: the whole checkpoint the notebook builds, in one cell, gives gradients bitwise
   equal to plain autograd and to ``torch.utils.checkpoint(use_reentrant=False)``, dropout
   included, for several input shapes.
+- 03, what ckptlib checks (2.4, step 6, section 4): an input modified in place is named in a
+  ``CheckpointError`` (torch gives autograd's own error); the key of a saved tensor holds its
+  producer, so ``exp`` swapped for ``sin`` is refused where a shape check hands out a wrong
+  tensor; an optimizer step between forward and backward is refused; and in section 7 the
+  trace counts a ReLU output that is the next block's input as alive, not freed.
 
 Cells are taken from the notebooks by nbgrader grade id (stable across rebuilds, the same in a
 notebook and its solutions) or by cell id, and executed; nothing long is copied here.
@@ -27,7 +32,9 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ckptlib import CheckpointError
+import ckptlib
+from ckptlib import CheckpointError, record_trace
+from ckptlib.models import MLPChain
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NB02 = NOTEBOOKS / "02_saved_tensors_hooks.ipynb"
@@ -198,3 +205,62 @@ def test_one_cell_checkpoint_names_a_rerun_that_saves_another_shape(one_cell_che
     setting["keep"] = 3
     with pytest.raises(CheckpointError, match=r"saved tensor #0: forward saved shape \(5,\)"):
         torch.autograd.grad(out.sum(), x)
+
+
+# ---------------------------------------------------------------- 03, what ckptlib checks
+
+def modified_input_error(wrap) -> RuntimeError:
+    x = torch.linspace(-1, 1, 5, requires_grad=True)
+    h = x * 1.0
+    out = wrap(torch.sin, h)
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError) as caught:
+        torch.autograd.grad(out.sum(), x)
+    return caught.value
+
+
+def test_03_an_input_modified_in_place_is_named_by_ckptlib_and_refused_by_torch():
+    error = modified_input_error(ckptlib.checkpoint)
+    assert isinstance(error, CheckpointError)
+    assert "input tensor #0" in str(error) and "modified in place" in str(error)
+    error = modified_input_error(lambda fn, t: torch_checkpoint(fn, t, use_reentrant=False))
+    assert not isinstance(error, CheckpointError) and "modified by an inplace operation" in str(error)
+
+
+def test_03_the_key_holds_the_producer_so_exp_swapped_for_sin_is_refused(one_cell_checkpoint):
+    def exp_then_sin(wrap):
+        setting = {"op": torch.exp}
+        x = torch.randn(5, requires_grad=True)
+        out = wrap(lambda t: setting["op"](t), x)
+        setting["op"] = torch.sin
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        return torch.equal(grad, x.detach().exp())
+
+    assert exp_then_sin(one_cell_checkpoint) is False      # shapes agree: a silently wrong gradient
+    with pytest.raises(CheckpointError, match=r"made by ExpBackward0; recomputation produced one that is an "
+                                              r"input of the region \(same shape, another operation\)"):
+        exp_then_sin(ckptlib.checkpoint)
+
+
+def test_03_an_optimizer_step_between_forward_and_backward_is_refused():
+    layer = nn.Linear(4, 4)
+    out = ckptlib.checkpoint(layer, torch.randn(2, 4, requires_grad=True)).relu().sum()
+    with torch.no_grad():
+        layer.weight.sub_(0.1)   # what optimizer.step() does
+    with pytest.raises(CheckpointError, match=r"parameter `Linear.weight` .* modified in place"):
+        out.backward()
+
+
+def test_03_per_block_trace_counts_the_block_output_as_alive_not_freed():
+    """Section 7: each one-layer block's ReLU output is its output, the next block's input."""
+    torch.manual_seed(0)
+    model = MLPChain(depth=3, width=16, checkpointing="block")
+    with record_trace() as trace:
+        model.training_step(model.example_batch(batch=32))
+    done = [event.detail for event in trace.events if event.kind == "forward_done"]
+    relu_output_bytes = 32 * 16 * 4
+    # block 0 saves its input and its ReLU output; blocks 1 and 2 also the weight (their input needs grad)
+    assert done == [f"{saves} saved tensors dropped, 0 bytes of activations freed ({relu_output_bytes} more "
+                    "are the region's output, alive while it is); kept the inputs, RNG and autocast state"
+                    for saves in (2, 3, 3)]
