@@ -26,7 +26,7 @@ import math
 import numbers
 from typing import Any, Callable
 
-__all__ = ["got", "integer", "number", "flag", "flags", "function", "qualname"]
+__all__ = ["got", "integer", "number", "flag", "flags", "function", "qualname", "check_not_reentrant"]
 
 
 def got(value: Any) -> str:
@@ -168,3 +168,14 @@ def qualname(obj: Any) -> str:
     ('len', 'qualname', 'object')
     """
     return getattr(obj, "__qualname__", None) or type(obj).__qualname__
+
+
+def check_not_reentrant(where: str, use_reentrant: Any, instead: str) -> None:
+    """Accept ``use_reentrant`` ``None`` or ``False`` (for drop-in compatibility); refuse ``True``,
+    pointing to ``instead``, the torch function that has the reentrant variant."""
+    if use_reentrant is None or use_reentrant is False:
+        return
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"{where}: use_reentrant must be None or False, {got(use_reentrant)}.")
+    runs = "ckptlib.checkpoint is" if where == "checkpoint" else f"{where} runs ckptlib.checkpoint, which is"
+    raise ValueError(f"{runs} always non-reentrant; drop use_reentrant=True (or use {instead}).")

@@ -84,7 +84,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckptlib import guards, rng
-from ckptlib._arguments import flags, got
+from ckptlib._arguments import check_not_reentrant, flags
 from ckptlib.guards import StateUpdatedTwiceWarning
 from ckptlib.trace import CheckpointTrace, OpNames, TensorMeta, TraceEvent, publish, record_trace, tracing_active
 
@@ -311,13 +311,9 @@ class _Frame:
         return holder
 
     def _frees_memory(self, leaf: torch.Tensor | None, ptr: int | None) -> bool:
-        """Does dropping a saved tensor free memory, or does it live on outside the region anyway?
-
-        Outside: whatever shares an input's storage; a leaf that requires grad (a parameter, an
-        input) or a view of one; and a leaf without grad whose storage a tensor reached from ``fn``
-        holds (a buffer, a captured constant). Every tensor without grad is a leaf, so a leaf without
-        grad may also be made inside (dropout's mask, layer norm's mean): that one frees memory.
-        """
+        """Does dropping a saved tensor free memory? Not if it lives on outside the region: an
+        input's storage, a leaf that requires grad (or a view of one), a buffer or captured tensor
+        ``fn`` reaches. A leaf *without* grad may be made inside (dropout's mask): that one does."""
         if ptr and ptr in self.input_ptrs:
             return False
         if leaf is None:
@@ -583,17 +579,6 @@ def _autocast(state) -> ContextManager:
 # ---------------------------------------------------------------------------
 # The public function
 # ---------------------------------------------------------------------------
-
-
-def check_not_reentrant(where: str, use_reentrant: Any, instead: str) -> None:
-    """Accept ``use_reentrant`` ``None`` or ``False`` (for drop-in compatibility); refuse ``True``,
-    pointing to ``instead``, the torch function that has the reentrant variant."""
-    if use_reentrant is None or use_reentrant is False:
-        return
-    if not isinstance(use_reentrant, bool):
-        raise TypeError(f"{where}: use_reentrant must be None or False, {got(use_reentrant)}.")
-    runs = "ckptlib.checkpoint is" if where == "checkpoint" else f"{where} runs ckptlib.checkpoint, which is"
-    raise ValueError(f"{runs} always non-reentrant; drop use_reentrant=True (or use {instead}).")
 
 
 def _check_arguments(fn: Any, flag_values: dict[str, Any], context_fn: Any, use_reentrant: Any) -> None:
