@@ -52,7 +52,10 @@ def test_next_and_play_step_through_the_rerun(lab, page, artifacts):
         page.wait_for_function(
             "() => document.querySelector('.ckptlib-stepper-graph svg').innerHTML.includes('recomputed')",
             timeout=20_000)
-        assert "recomputed: <b>1</b>" in page.locator(".ckptlib-stepper-states").inner_html()
+        # So does the states' list (a message of its own too: wait for it, do not race it).
+        page.wait_for_function(
+            "() => document.querySelector('.ckptlib-stepper-states').innerHTML.includes('recomputed: <b>1</b>')",
+            timeout=20_000)
         # The timeline's cursor moved with it (its position is a percentage of the picture).
         assert page.locator(".ckptlib-stepper-timeline img").evaluate("img => img.naturalWidth") > 0
 
