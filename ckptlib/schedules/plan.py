@@ -226,7 +226,7 @@ class Plan:
         self.actions: tuple[Action, ...] = _actions(self.body)
         self.forward_steps = sum(a.stop - a.start for a in self.actions if a.op == "forward" and not a.keep)
         self.forward_calls = sum(a.stop - a.start for a in self.actions if a.op == "forward")
-        self.peak_slots = max((len(checkpoints) for checkpoints, _ in self._states()), default=0)
+        self.peak_slots = max((len(checkpoints) for checkpoints, _ in self.states()), default=0)
         self.peak_activations = self._peak(lambda layer: 1, lambda layer: 1)
 
     # -- costs --------------------------------------------------------------
@@ -252,8 +252,13 @@ class Plan:
         return sum(costs[layer].forward_s for a in self.actions if a.op == "forward"
                    for layer in range(a.start, a.stop))
 
-    def _states(self) -> Iterator[tuple[frozenset[int], frozenset[int]]]:
-        """(checkpoints held, layers recorded and not yet reversed) after each action."""
+    def states(self) -> Iterator[tuple[frozenset[int], frozenset[int]]]:
+        """(checkpoints held, layers recorded and not yet reversed) after each of ``actions``.
+
+        >>> plan = Plan([Segment(0, 2), 2])
+        >>> [(sorted(held), sorted(recorded)) for held, recorded in plan.states()][:3]
+        [([0], []), ([0], []), ([0], [2])]
+        """
         checkpoints: set[int] = set()
         recorded: set[int] = set()
         for action in self.actions:
@@ -270,7 +275,7 @@ class Plan:
 
     def _peak(self, checkpoint_size, recorded_size) -> Any:
         return max((sum(map(checkpoint_size, checkpoints)) + sum(map(recorded_size, recorded))
-                    for checkpoints, recorded in self._states()), default=0)
+                    for checkpoints, recorded in self.states()), default=0)
 
     # -- drawings -----------------------------------------------------------
     def __repr__(self) -> str:
@@ -283,7 +288,7 @@ class Plan:
                  f"peak_activations={self.peak_activations}",
                  "  " + "".join(str(i % 10) for i in range(self.n))]
         previous = None
-        for action, (checkpoints, recorded) in zip(self.actions, self._states()):
+        for action, (checkpoints, recorded) in zip(self.actions, self.states()):
             strip = ["o" if i in checkpoints else "#" if i in recorded else "." for i in range(self.n)]
             mark = {"forward": ">", "backward": "<"}.get(action.op, "")
             for i in range(action.start, action.stop):

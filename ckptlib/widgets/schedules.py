@@ -30,7 +30,7 @@ first shown. Moving the parameter slider then costs one measurement at most, and
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import ipywidgets as widgets
 import numpy as np
@@ -77,32 +77,25 @@ def schedule_picture(plan: Plan) -> np.ndarray:
            [0, 3, 0, 0, 0, 4, 5, 0],
            [0, 0, 4, 5, 0, 0, 0, 0]], dtype=int8)
     """
-    checkpoints: set[int] = set()
-    recorded: set[int] = set()
     columns = []
 
-    def column(layer: int, kind: int) -> None:
+    def column(layer: int, kind: int, checkpoints: Iterable[int], recorded: Iterable[int]) -> None:
         cells = np.zeros(plan.n, dtype=np.int8)
         cells[sorted(recorded)] = 2
         cells[sorted(checkpoints)] = 1
         cells[layer] = kind
         columns.append(cells)
 
-    for action in plan.actions:
-        layers = range(action.start, action.stop)
-        if action.op == "store":
-            checkpoints.add(action.start)
-        elif action.op == "free":
-            checkpoints.discard(action.start)
-        elif action.op == "forward":
-            for layer in layers:
-                column(layer, 4 if action.keep else 3)
-                if action.keep:
-                    recorded.add(layer)
-        else:
-            for layer in reversed(layers):
-                recorded.discard(layer)
-                column(layer, 5)
+    checkpoints, recorded = frozenset(), frozenset()   # the state before each action
+    for action, after in zip(plan.actions, plan.states()):
+        if action.op == "forward":   # layer by layer: each one's input recorded once it has run
+            for layer in range(action.start, action.stop):
+                column(layer, 4 if action.keep else 3, checkpoints,
+                       recorded | set(range(action.start, layer)) if action.keep else recorded)
+        elif action.op == "backward":   # in reverse: each layer's record released as it runs
+            for layer in reversed(range(action.start, action.stop)):
+                column(layer, 5, checkpoints, recorded - set(range(layer, action.stop)))
+        checkpoints, recorded = after
     return np.stack(columns, axis=1)
 
 
