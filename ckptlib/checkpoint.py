@@ -686,5 +686,8 @@ _disabled_checkpoint: Callable[..., Any] | None = None
 def _checkpoint_outside_dynamo() -> Callable[..., Any]:
     global _disabled_checkpoint
     if _disabled_checkpoint is None:
-        _disabled_checkpoint = torch.compiler.disable(checkpoint, reason=_COMPILE_REASON)
+        try:
+            _disabled_checkpoint = torch.compiler.disable(checkpoint, reason=_COMPILE_REASON)
+        except TypeError:   # torch before 2.6: no reason= (the graph break is the same)
+            _disabled_checkpoint = torch.compiler.disable(checkpoint)
     return _disabled_checkpoint
