@@ -15,6 +15,8 @@ import torch
 import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 
+from ckptlib import rng
+from ckptlib.checkpoint import _thread_state, is_recomputing
 from ckptlib.trace import tracing_active
 
 
@@ -30,15 +32,30 @@ def rows(table: list[Misuse]) -> list:
     return [pytest.param(row, id=row.id) for row in table]
 
 
-def process_state() -> dict[str, Any]:
-    """What a call could leave behind in the process, as comparable values."""
+def installed() -> dict[str, Any]:
+    """What a call installs while it runs and must remove however it ends: every value falsy when nothing is."""
     return {
         "dispatch modes": torch._C._len_torch_dispatch_stack(),
         "torch function modes": torch._C._len_torch_function_stack(),
         "saved-tensor hooks": torch._C._autograd._top_saved_tensors_default_hooks(False) is not None,
+        "ckptlib traces": tracing_active(),
+        "registered generator uses": len(rng._users),
+        "recomputing": is_recomputing(),
+        "peeking at saved tensors": _thread_state.peek is not None,
+    }
+
+
+def assert_nothing_installed() -> None:
+    left = {name: value for name, value in installed().items() if value}
+    assert not left, f"left behind: {left}"
+
+
+def process_state() -> dict[str, Any]:
+    """What a call could leave behind in the process, as comparable values."""
+    return {
+        **installed(),
         "global module hooks": (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks),
                                 len(module_hooks._global_backward_hooks)),
-        "ckptlib traces": tracing_active(),
         "global RNG state": torch.random.get_rng_state().tolist(),
     }
 

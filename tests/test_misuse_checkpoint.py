@@ -13,10 +13,10 @@ import torch
 import torch.nn as nn
 
 from ckptlib import rng
-from ckptlib.checkpoint import TensorMeta, _thread_state, checkpoint, is_recomputing, record_trace
+from ckptlib.checkpoint import TensorMeta, checkpoint, record_trace
 from ckptlib.offload import offload_saved_tensors
 from ckptlib.sequential import checkpoint_sequential, measure_layer_costs
-from ckptlib.trace import _active_traces
+from tests._misuse import assert_nothing_installed
 
 calls: list[int] = []
 
@@ -99,14 +99,6 @@ CASES = [
 ]
 
 
-def nothing_left_behind() -> None:
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, "a saved-tensor hook is left"
-    assert torch._C._len_torch_function_stack() == 0, "a torch function mode is left"
-    assert not _active_traces, "a trace is left open"
-    assert not rng._users, "a generator use is left registered"
-    assert not is_recomputing() and _thread_state.peek is None
-
-
 @pytest.mark.parametrize("call, error, message", [case[1:] for case in CASES], ids=[case[0] for case in CASES])
 def test_bad_argument_is_a_clear_error_and_leaves_nothing(call, error, message):
     calls.clear()
@@ -115,13 +107,13 @@ def test_bad_argument_is_a_clear_error_and_leaves_nothing(call, error, message):
         call()
     assert calls == [] or message.startswith("CheckpointTrace"), "the function ran before the error"
     assert torch.equal(torch.get_rng_state(), rng_before), "the RNG moved"
-    nothing_left_behind()
+    assert_nothing_installed()
 
 
 def test_checkpoint_refuses_bad_arguments_under_no_grad_too():
     with torch.no_grad(), pytest.raises(TypeError, match="early_stop must be True or False"):
         checkpoint(region, x(), early_stop="yes")
-    nothing_left_behind()
+    assert_nothing_installed()
 
 
 def test_a_context_fn_that_raises_leaves_nothing():
@@ -130,4 +122,4 @@ def test_a_context_fn_that_raises_leaves_nothing():
 
     with pytest.raises(RuntimeError, match="no contexts today"):
         checkpoint(region, x(), context_fn=broken_context_fn)
-    nothing_left_behind()
+    assert_nothing_installed()

@@ -15,7 +15,7 @@ from ckptlib.selective import (
     policy_from_costs, save_matmuls, selective_checkpoint, selective_contexts,
 )
 
-from tests.test_checkpoint import saved_hooks_installed
+from tests._misuse import assert_nothing_installed
 
 aten = torch.ops.aten
 
@@ -31,10 +31,6 @@ class KeepOnlyOp:
 
 def two_required(op, tensor, *args, **kwargs):
     return True
-
-
-def nothing_left_installed() -> bool:
-    return torch._C._len_torch_dispatch_stack() == 0 and not saved_hooks_installed()
 
 
 class Calls:
@@ -129,7 +125,7 @@ def _check(call, exception, words) -> None:
     message = str(info.value)
     missing = [word for word in words if word not in message]
     assert not missing, f"{missing} not in: {message}"
-    assert nothing_left_installed()
+    assert_nothing_installed()
 
 
 @pytest.mark.parametrize("kwargs, exception, words", [row[1:] for row in SELECTIVE_CHECKPOINT],
@@ -169,7 +165,8 @@ def test_a_failed_call_leaves_the_plans_untouched():
                    {"skip_unneeded": "yes"}, {"policy": lambda op: True}):
         with pytest.raises(TypeError):
             selective_checkpoint(block, x, **{"policy": save_matmuls, "plans": plans, **kwargs})
-        assert repr(plans) == before and nothing_left_installed()
+        assert repr(plans) == before
+        assert_nothing_installed()
 
 
 def test_a_policy_that_raises_leaves_nothing_behind():
@@ -180,7 +177,7 @@ def test_a_policy_that_raises_leaves_nothing_behind():
     for reuse in (None, plans):
         with pytest.raises(RuntimeError, match="policy bug"):
             selective_checkpoint(lambda t: (t @ t).relu(), _x(), policy=broken, plans=reuse)
-        assert nothing_left_installed()
+        assert_nothing_installed()
     assert len(plans) == 0 and plans.recorded == 0
 
 
