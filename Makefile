@@ -7,7 +7,7 @@ NOTEBOOK ?= notebooks/00_welcome_and_setup.ipynb
 # JupyterLab refuses to run as root without this flag (containers, CI).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: setup lab test test-lib test-notebooks figures bench clean check-python slides site
+.PHONY: setup lab test test-lib test-notebooks figures bench clean check-python slides site gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -48,6 +48,14 @@ figures: setup
 bench: setup
 	$(BIN)/python -m ckptlib.bench $(BENCH_ARGS) --json benchmarks/results/cpu.json --markdown benchmarks/README.md --figures figures
 	$(BIN)/python benchmarks/guard_cost.py --json benchmarks/results/guard_cost.json --markdown benchmarks/README.md
+
+# The GPU run (see benchmarks/README.md): `make gpu-wheels` here fills .whl/ with what the GPU
+# machine lacks; there, `benchmarks/gpu_check.sh OUTDIR` runs every CUDA check in one go.
+gpu-wheels: setup
+	PYTHON=$(BIN)/python benchmarks/gpu_wheels.sh
+
+gpu-check: setup
+	PYTHON=$(BIN)/python benchmarks/gpu_check.sh build/gpu-check
 
 # Offline reveal.js decks and the static course site (see tools/classroom.py); the first run
 # installs the pinned browser assets with `npm ci --prefix tools` (needs Node.js and npm).
