@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 # (Write ``from ckptlib.checkpoint import ...`` to reach the module's other names.)
 from ckptlib.checkpoint import CheckpointError, CheckpointTrace, StateUpdatedTwiceWarning, checkpoint, record_trace
 
-# public name -> module that defines it (see DESIGN.md, "ckptlib: one module per idea")
+# public name -> module that defines it (see docs/design.md, "Module map")
 _PUBLIC = {
     "checkpoint_sequential": "sequential",
     "Plan": "schedules",
