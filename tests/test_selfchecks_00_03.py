@@ -72,6 +72,15 @@ def solution(number: str, exercise: str) -> str:
     return graded_source(number, exercise, solutions=True)
 
 
+def solution_with(number: str, exercise: str, *changes: tuple[str, str]) -> str:
+    """The official solution with each ``(old, new)`` change made: a wrong answer one step from it."""
+    source = solution(number, exercise)
+    for old, new in changes:
+        assert old in source, f"notebook {number} {exercise}'s solution no longer contains {old!r}"
+        source = source.replace(old, new)
+    return source
+
+
 def stub(number: str, exercise: str) -> str:
     return graded_source(number, exercise)
 
@@ -150,40 +159,18 @@ WRONG_ANSWERS = {
                 fn()
             return sum(storages.values())
         ''', r"differs from the hand count for: x\[:32\]\.sin\(\), x\[:32\] \* x\[32:\]$"),
-    "02 Ex2: a plain dict keyed by data_ptr": ("02", "exercise-2", '''
-        bf16_copies = {}
-
-        def pack_bf16(tensor):
-            owner = tensor if tensor._base is None else tensor._base
-            if tensor.dtype != torch.float32 or owner.is_leaf:
-                return tensor.detach()
-            key = tensor.untyped_storage().data_ptr()
-            if key not in bf16_copies:
-                bf16_copies[key] = tensor.to(torch.bfloat16)
-            return torch.float32, bf16_copies[key]
-
-        def unpack_bf16(stored):
-            return stored[1].to(stored[0]) if isinstance(stored, tuple) else stored
-        ''', r"after backward, with the graph gone, 8,192 B your hooks made are still alive"
-             r"|gradients differ by \d+\.\d% from the exact ones: .*Key by the storage"),  # a reused address
-    "02 Ex2: a weak dict keyed by data_ptr alone": ("02", "exercise-2", '''
-        bf16_copies = weakref.WeakValueDictionary()
-
-        def pack_bf16(tensor):
-            owner = tensor if tensor._base is None else tensor._base
-            if tensor.dtype != torch.float32 or owner.is_leaf:
-                return tensor.detach()
-            key = tensor.data_ptr()
-            copy = bf16_copies.get(key)
-            if copy is None:
-                copy = bf16_copies[key] = tensor.to(torch.bfloat16)
-            return torch.float32, copy
-
-        def unpack_bf16(stored):
-            return stored[1].to(stored[0]) if isinstance(stored, tuple) else stored
-        ''', r"gradients differ by \d+\.\d% from the exact ones: .*(?i:key by the storage)"),  # the MLP or h @ h.t()
+    "02 Ex2: a plain dict keyed by data_ptr": ("02", "exercise-2", solution_with("02", "exercise-2", (
+        "bf16_copies = weakref.WeakValueDictionary()", "bf16_copies = {}"), (
+        "key = (StorageWeakRef(tensor.untyped_storage()), tensor.storage_offset(), tensor.shape, tensor.stride())",
+        "key = tensor.untyped_storage().data_ptr()")),
+        r"after backward, with the graph gone, 8,192 B your hooks made are still alive"
+        r"|gradients differ by \d+\.\d% from the exact ones: .*Key by the storage"),  # a reused address
+    "02 Ex2: a weak dict keyed by data_ptr alone": ("02", "exercise-2", solution_with("02", "exercise-2", (
+        "key = (StorageWeakRef(tensor.untyped_storage()), tensor.storage_offset(), tensor.shape, tensor.stride())",
+        "key = tensor.data_ptr()")),
+        r"gradients differ by \d+\.\d% from the exact ones: .*(?i:key by the storage)"),  # the MLP or h @ h.t()
     "02 Ex2: float16 instead of bfloat16": ("02", "exercise-2",
-        solution("02", "exercise-2").replace("torch.bfloat16", "torch.float16"),
+        solution_with("02", "exercise-2", ("torch.bfloat16", "torch.float16")),
         r"\(square \* 1e5\)\.pow\(2\): gradients differ by (inf|nan)% .*float16 stops at 65504"),
     "03 Ex1: a slice of the optimizer's shared list": ("03", "exercise-1", '''
         class PerBackwardHook(ForwardHook):
