@@ -6,13 +6,20 @@ guess is a plain variable in the ``predict`` cell, so the notebook also runs top
 measures and calls :func:`check_prediction`, whose answer is one readable sentence.
 
 A number is judged by its relative error (within ``tolerance`` counts as right); anything else
-(a string, a bool, an op name, a choice among options) must be equal.
+(a string, a bool, an op name, ``None``, a choice among options) must be equal.
+
+"Not guessed yet" is :data:`NO_GUESS`, a marker that no answer can be: ``None`` is a real
+answer where a node may not exist (notebook 01 asks for the ``grad_fn`` of a tensor that has
+none). ``...`` means not guessed yet too, and so does ``None`` where the answer is a number
+(no count or size is ``None``), as in cells written before ``NO_GUESS`` existed.
 
 >>> check_prediction(3, 4, what="saved tensors")
 Your guess for saved tensors: 3. Measured: 4. Off by 1 (25% low).
 >>> check_prediction("exp", "exp", what="the op that saves its output")
 Your guess for the op that saves its output: 'exp'. Measured: 'exp'. Right.
->>> check_prediction(None, 4, what="saved tensors")
+>>> check_prediction(None, None, what="the grad_fn")
+Your guess for the grad_fn: None. Measured: None. Right.
+>>> check_prediction(NO_GUESS, 4, what="saved tensors")
 No guess yet for saved tensors: set it in the cell above, run that cell, then this one.
 """
 from __future__ import annotations
@@ -22,7 +29,25 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
-__all__ = ["check_prediction", "Verdict"]
+__all__ = ["NO_GUESS", "check_prediction", "Verdict"]
+
+
+class _NoGuess:
+    """The type of :data:`NO_GUESS`: a marker equal only to itself, so never a measurement."""
+
+    def __repr__(self) -> str:
+        return "NO_GUESS"
+
+
+NO_GUESS = _NoGuess()
+"""The value of a guess not made yet: ``guess_peak = NO_GUESS``. No measurement is ever equal to it."""
+
+
+def _not_guessed(guess: Any, measured: Any) -> bool:
+    """Whether ``guess`` says "not guessed yet" rather than giving an answer."""
+    if guess is NO_GUESS or guess is Ellipsis:
+        return True
+    return guess is None and _is_number(measured)     # older cells: None for a number not guessed
 
 
 @dataclass(frozen=True)
@@ -38,7 +63,7 @@ class Verdict:
 
     @property
     def attempted(self) -> bool:
-        return self.guess is not None and self.guess is not Ellipsis
+        return not _not_guessed(self.guess, self.measured)
 
     def __repr__(self) -> str:
         if not self.attempted:
@@ -73,8 +98,9 @@ def check_prediction(guess: Any, measured: Any, *, what: str, unit: str = "",
     """Compare a learner's ``guess`` with the ``measured`` value and say how close it was.
 
     Args:
-        guess: the value the learner set in the ``predict`` cell; ``None`` or ``...`` means
-            "not guessed yet".
+        guess: the value the learner set in the ``predict`` cell; :data:`NO_GUESS` (or ``...``)
+            means "not guessed yet", and so does ``None`` when ``measured`` is a number.
+            Otherwise ``None`` is an answer, compared with ``measured`` like any other.
         measured: what the cell measured (a number, string, bool, ...).
         what: what was guessed, in a few words ("saved tensors", "bytes freed").
         unit: a unit to print after numbers ("B", "x").
@@ -86,7 +112,9 @@ def check_prediction(guess: Any, measured: Any, *, what: str, unit: str = "",
         raise TypeError(f"check_prediction: unit must be a string such as 'B', got {unit!r}")
     if not _is_number(tolerance) or not 0 <= tolerance < 1 or math.isnan(tolerance):
         raise ValueError(f"check_prediction: tolerance must be a number in [0, 1), got {tolerance!r}")
-    if guess is None or guess is Ellipsis:
+    if measured is NO_GUESS:
+        raise TypeError(f"check_prediction: measured is NO_GUESS for {what!r}; pass what the cell measured")
+    if _not_guessed(guess, measured):
         return Verdict(guess, measured, what, unit, False, None)
     if _is_number(guess) and _is_number(measured):
         relative = (guess - measured) / abs(measured) if measured else (0.0 if guess == measured else math.inf)

@@ -5,6 +5,7 @@ Each test names the notebook section whose words it checks; when one fails, the 
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import re
 import warnings
@@ -350,3 +351,32 @@ def test_predict_cells_follow_the_course_convention(name, least):
         names.append(guess.group(1))
         assert f"check_prediction({guess.group(1)}," in cells[i + 1].source
     assert len(set(names)) == len(names)
+
+
+# -- 00 and 01: what the prose says about the measurements -------------------------------------
+
+
+def test_00_prose_says_what_the_sqrt_line_measures():
+    """00: sqrt(n) segments cut the peak to less than half of plain's (measured, not typed in)."""
+    cells = {cell.get("id"): cell.source for cell in nbformat.read(NOTEBOOKS / "00_welcome_and_setup.ipynb", 4).cells}
+    assert "to less than half of plain's, as the\n`sqrt` line above" in cells["00-004"]
+    assert "well under half" not in cells["00-004"]
+    model = MLPChain(depth=32, width=128)
+    batch = model.example_batch(batch=512)
+    assert step_peak(model, batch, "sqrt") < 0.5 * step_peak(model, batch, "none")
+
+
+@pytest.mark.parametrize("guess, verdict", [(None, "Right."), ("None", "Right."),
+                                            ("SinBackward0", "Not this time")])
+def test_01_no_node_is_a_right_answer_to_the_articles_grad_fn(guess, verdict):
+    """01 section 1 asks for the node's name, or None when there is none: None is right, quoted or not."""
+    cells = {cell.get("id"): cell.source for cell in nbformat.read(NOTEBOOKS / "01_autograd_graphs.ipynb", 4).cells}
+    namespace: dict = {}
+    for cell_id in ("01-001", "01-003"):                  # imports, then x, w, b and the small graph
+        exec(cells[cell_id], namespace)
+    namespace["guess_article_grad_fn"] = guess
+    module = ast.parse(cells["01-005"])
+    *statements, shown = module.body                      # the cell shows its last expression's value
+    exec(compile(ast.Module(statements, type_ignores=[]), "<01-005>", "exec"), namespace)
+    verdict_shown = eval(compile(ast.Expression(shown.value), "<01-005>", "eval"), namespace)
+    assert verdict in repr(verdict_shown), repr(verdict_shown)

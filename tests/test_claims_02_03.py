@@ -264,3 +264,48 @@ def test_03_per_block_trace_counts_the_block_output_as_alive_not_freed():
     assert done == [f"{saves} saved tensors dropped, 0 bytes of activations freed ({relu_output_bytes} more "
                     "are the region's output, alive while it is); kept the inputs, RNG and autocast state"
                     for saves in (2, 3, 3)]
+
+
+# ---------------------------------------------------------------- 02, Exercise 2: what the pack hook receives
+
+def test_02_weight_view_that_linear_saves_is_no_leaf_but_its_base_is_the_parameter():
+    """02 Ex2's text: a parameter and the batch are leaves; ``weight.t()`` has grad_fn TBackward0,
+    is_leaf False, and its ``_base`` is the parameter. The notebook's cell prints the same."""
+    layer = nn.Linear(4, 3)
+    received = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: received.append(t) or t.detach(), lambda t: t):
+        layer(torch.randn(2, 4, requires_grad=True))
+    batch, weight_view = received                         # addmm saves mat1 (the batch) and mat2
+    assert batch.is_leaf and batch.grad_fn is None
+    assert type(weight_view.grad_fn).__name__ == "TBackward0" and not weight_view.is_leaf
+    assert weight_view._base is layer.weight
+
+    namespace = notebook_02_namespace()
+    printed = run_cell(cell_source(NB02, cell_id="02-n10"), namespace).splitlines()
+    views = [line for line in printed if "TBackward0" in line]
+    assert views and all("is_leaf=False" in line and "_base=a parameter" in line for line in views), printed
+    assert any("grad_fn=None" in line and "is_leaf=True" in line for line in printed), printed
+    markdown = cell_source(NB02, cell_id="02-041")
+    assert "(`TBackward0`) and `is_leaf` is `False`" in markdown and "none has a `grad_fn`" not in markdown
+
+
+# ---------------------------------------------------------------- 03, section 4: what the version check covers
+
+@pytest.mark.parametrize("modify", ["input", "parameter it reads", "buffer it reads", "captured tensor"])
+def test_03_the_version_check_covers_what_the_region_reads(modify):
+    """Section 4: before a rerun ckptlib checks the versions of what the region read: its inputs
+    and the parameters, buffers and captured tensors its forward used."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(4).eval()                       # eval: reads its running statistics
+    layer = nn.Linear(4, 4)
+    scale = torch.rand(4) + 0.5
+    inputs = torch.randn(3, 4, requires_grad=True) * 1.0
+    region = nn.Sequential(layer, norm)
+    out = ckptlib.checkpoint(lambda t: (region(t) * scale).tanh(), inputs)
+    changed = {"input": inputs, "parameter it reads": layer.weight, "buffer it reads": norm.running_mean,
+               "captured tensor": scale}[modify]
+    with torch.no_grad():
+        changed.add_(0.5)
+    with pytest.raises(CheckpointError, match="modified in place"):
+        out.sum().backward()
+    assert "what the region reads" in cell_source(NB03, cell_id="03-063")

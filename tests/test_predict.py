@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from ckptlib.predict import check_prediction
+from ckptlib.predict import NO_GUESS, check_prediction
 
 
 @pytest.mark.parametrize("guess, measured, tolerance, right, text", [
@@ -27,11 +27,30 @@ def test_choices_must_be_equal():
     assert check_prediction(True, True, what="flag").relative_error is None  # a bool is a choice, not a number
 
 
-@pytest.mark.parametrize("guess", [None, ...])
-def test_no_guess_yet(guess):
-    verdict = check_prediction(guess, 3, what="saved tensors")
+@pytest.mark.parametrize("guess, measured", [(NO_GUESS, 3), (NO_GUESS, None), (NO_GUESS, "SinBackward0"),
+                                             (NO_GUESS, False), (..., 3), (..., None),
+                                             (None, 3), (None, 2.5)])   # None for a number: not guessed
+def test_no_guess_yet(guess, measured):
+    verdict = check_prediction(guess, measured, what="saved tensors")
     assert not verdict.attempted and not verdict.right
     assert repr(verdict).startswith("No guess yet for saved tensors")
+
+
+def test_none_is_an_answer_where_the_measurement_is_not_a_number():
+    """Notebook 01: the grad_fn of a tensor that needs no gradient is None, the right answer."""
+    right = check_prediction(None, None, what="the article's grad_fn")
+    assert right.attempted and right.right
+    assert repr(right) == "Your guess for the article's grad_fn: None. Measured: None. Right."
+    wrong = check_prediction(None, "SinBackward0", what="the grad_fn")
+    assert wrong.attempted and not wrong.right and "Not this time" in repr(wrong)
+    assert not check_prediction("SinBackward0", None, what="the grad_fn").right
+    assert not check_prediction(None, False, what="a flag").right       # a bool is a choice, None a wrong one
+
+
+def test_no_guess_is_never_a_measurement():
+    assert repr(NO_GUESS) == "NO_GUESS"
+    with pytest.raises(TypeError, match="measured is NO_GUESS"):
+        check_prediction(3, NO_GUESS, what="x")
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
