@@ -10,14 +10,14 @@ answers are the notebook's stub, the wrong answers here, and the solutions noteb
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 from pathlib import Path
 
 import nbformat
 import pytest
 import torch
+
+from tests.test_claims_02_03 import cell_source, run_cell   # a cell by grade id; exec it
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NB06 = NOTEBOOKS / "06_transformer_in_practice.ipynb"
@@ -26,22 +26,6 @@ NB07 = NOTEBOOKS / "07_beyond.ipynb"
 
 def solutions(notebook: Path) -> Path:
     return NOTEBOOKS / "solutions" / f"{notebook.stem}_solutions.ipynb"
-
-
-def cell_source(path: Path, grade_id: str) -> str:
-    """The source of the one cell of ``path`` with this nbgrader grade id."""
-    cells = [cell for cell in nbformat.read(path, as_version=4).cells
-             if cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id]
-    assert len(cells) == 1, f"{path.name}: expected one cell with grade_id={grade_id!r}, found {len(cells)}"
-    return cells[0].source
-
-
-def run_cell(source: str, namespace: dict) -> str:
-    """Execute a cell's source in ``namespace``; return what it printed."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(source, "<notebook cell>", "exec"), namespace)
-    return printed.getvalue()
 
 
 def setup_namespace(notebook: Path) -> dict:
@@ -74,16 +58,31 @@ def check(namespace: dict, notebook: Path, grade_id: str, answer: str | dict) ->
         run_cell(answer, namespace)
     else:
         namespace.update(answer)
-    return run_cell(cell_source(notebook, f"{grade_id}-check"), namespace)
+    return run_cell(cell_source(notebook, grade_id=f"{grade_id}-check"), namespace)
 
 
-EXERCISES = [(NB06, "exercise-2"), (NB07, "exercise-1"), (NB07, "exercise-2"), (NB07, "exercise-3")]
+# (namespace fixture, notebook, grade id, what the self-check prints for the solution)
+EXERCISES = [
+    ("nb06", NB06, "exercise-2", "Exercise 2 solved: right at depths 1, 2, 5 and 8"),
+    ("nb07", NB07, "exercise-1", "rows [5, 7, 9]: keep 96.00 KiB, the rerun computes 5 calls\nFound: 3 calls fewer"),
+    ("nb07", NB07, "exercise-2", "Exercise 1 solved: keeping the linear outputs (576.00 KiB, with a bias or without)"),
+    ("nb07", NB07, "exercise-3", "Exercise 2 solved: a GPU tensor goes to the CPU and back"),
+]
+EXERCISE_IDS = [f"{notebook.stem[:2]}-{grade_id}" for _, notebook, grade_id, _ in EXERCISES]
 
 
-@pytest.mark.parametrize("notebook, grade_id", EXERCISES, ids=[f"{n.stem[:2]}-{g}" for n, g in EXERCISES])
-def test_the_self_check_is_the_same_in_the_solutions(notebook, grade_id):
+@pytest.mark.parametrize("fixture, notebook, grade_id, solved", EXERCISES, ids=EXERCISE_IDS)
+def test_the_self_check_is_the_same_in_the_solutions(fixture, notebook, grade_id, solved):
     check_id = f"{grade_id}-check"
-    assert cell_source(notebook, check_id) == cell_source(solutions(notebook), check_id)
+    assert cell_source(notebook, grade_id=check_id) == cell_source(solutions(notebook), grade_id=check_id)
+
+
+@pytest.mark.parametrize("fixture, notebook, grade_id, solved", EXERCISES, ids=EXERCISE_IDS)
+def test_the_self_check_accepts_the_solution_and_waits_for_the_stub(request, fixture, notebook, grade_id, solved):
+    namespace = request.getfixturevalue(fixture)
+    printed = check(namespace, notebook, grade_id, cell_source(solutions(notebook), grade_id=grade_id))
+    assert printed.startswith(solved), printed
+    assert check(namespace, notebook, grade_id, cell_source(notebook, grade_id=grade_id)) == "not attempted yet\n"
 
 
 # ---------------------------------------------------------------- 06, Exercise 2: every other block
@@ -107,11 +106,6 @@ def test_06_exercise_2_rejects(nb06, answer, words):
         check(nb06, NB06, "exercise-2", {"every_other_block": answer})
 
 
-def test_06_exercise_2_accepts_the_solution_and_waits_for_the_stub(nb06):
-    printed = check(nb06, NB06, "exercise-2", cell_source(solutions(NB06), "exercise-2"))
-    assert printed.startswith("Exercise 2 solved: right at depths 1, 2, 5 and 8"), printed
-    assert check(nb06, NB06, "exercise-2", cell_source(NB06, "exercise-2")) == "not attempted yet\n"
-
 
 # ---------------------------------------------------------------- 07, Find it: fewer calls for half the bytes
 
@@ -130,11 +124,6 @@ def test_07_find_it_rejects(nb07, rows, words):
         check(nb07, NB07, "exercise-1", {"my_rows": rows(nb07["explorer"])})
 
 
-def test_07_find_it_accepts_the_solution_and_waits_for_the_stub(nb07):
-    printed = check(nb07, NB07, "exercise-1", cell_source(solutions(NB07), "exercise-1"))
-    assert "keep 96.00 KiB, the rerun computes 5 calls" in printed and "Found: 3 calls fewer" in printed, printed
-    assert check(nb07, NB07, "exercise-1", cell_source(NB07, "exercise-1")) == "not attempted yet\n"
-
 
 # ---------------------------------------------------------------- 07, Exercise 1: keep the linear layers
 
@@ -151,11 +140,6 @@ def test_07_exercise_1_rejects(nb07, policy, words):
     with pytest.raises(AssertionError, match=words):
         check(nb07, NB07, "exercise-2", {"save_linear_layers": policy})
 
-
-def test_07_exercise_1_accepts_the_solution_and_waits_for_the_stub(nb07):
-    printed = check(nb07, NB07, "exercise-2", cell_source(solutions(NB07), "exercise-2"))
-    assert printed.startswith("Exercise 1 solved:"), printed
-    assert check(nb07, NB07, "exercise-2", cell_source(NB07, "exercise-2")) == "not attempted yet\n"
 
 
 # ---------------------------------------------------------------- 07, Exercise 2: a save_on_cpu that does not leak
@@ -186,11 +170,6 @@ def test_07_exercise_2_rejects(nb07, pack, unpack, words):
     with pytest.raises(AssertionError, match=words):
         check(nb07, NB07, "exercise-3", {"pack_to_cpu": pack, "unpack_from_cpu": unpack})
 
-
-def test_07_exercise_2_accepts_the_solution_and_waits_for_the_stub(nb07):
-    printed = check(nb07, NB07, "exercise-3", cell_source(solutions(NB07), "exercise-3"))
-    assert printed.startswith("Exercise 2 solved: a GPU tensor goes to the CPU and back"), printed
-    assert check(nb07, NB07, "exercise-3", cell_source(NB07, "exercise-3")) == "not attempted yet\n"
 
 
 # ---------------------------------------------------------------- predictions in the reading-heavy sections
