@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ckptlib import CheckpointError
 from ckptlib.models import TransformerBlock
 from ckptlib.selective import (
     CostProfile, OpCall, OpCost, SelectivePlans, choose_ops, measure_op_costs, megatron_attention,
@@ -232,3 +233,41 @@ def test_the_old_import_path_gives_the_same_objects():
     assert ckptlib.selective_checkpoint is new.selective_checkpoint
     with pytest.raises(AttributeError, match="no attribute '_nothing_here'"):
         old._nothing_here
+
+
+def _reads_a_value_into_python(t: torch.Tensor) -> torch.Tensor:
+    """Reads a sum back to Python and scales by it: the op graph never sees that dependency."""
+    h = t @ t
+    scale = h.relu().sum().tolist()
+    return (t * scale).sin()
+
+
+def test_a_value_read_into_python_is_named_with_the_fix():
+    w = _x()
+    with pytest.raises(CheckpointError) as caught:
+        selective_checkpoint(_reads_a_value_into_python, w, policy=save_matmuls).sum().backward()
+    message = str(caught.value)
+    for words in ("called aten._to_copy.default 1 times", "stand-in of an op the rerun skipped",
+                  ".tolist()", "skip_unneeded=False"):
+        assert words in message, message
+    assert_nothing_installed()
+    # The fix the message names: every op reruns, and the gradient is plain autograd's.
+    expected = torch.autograd.grad(_reads_a_value_into_python(w).sum(), w)[0]
+    out = selective_checkpoint(_reads_a_value_into_python, w, policy=save_matmuls, skip_unneeded=False)
+    assert torch.equal(torch.autograd.grad(out.sum(), w)[0], expected)
+
+
+def test_an_extra_op_on_real_tensors_is_named_as_a_branch_not_a_skipped_value():
+    from ckptlib.checkpoint import is_recomputing
+
+    def branches(t):
+        if is_recomputing():
+            t.exp()                 # an op the rerun calls and the forward pass did not
+        return (t @ t).relu()
+
+    with pytest.raises(CheckpointError) as caught:
+        selective_checkpoint(branches, _x(), policy=save_matmuls).sum().backward()
+    message = str(caught.value)
+    assert "called aten.exp.default 1 times, the forward pass only 0 times" in message, message
+    assert "no branches on random numbers" in message and "skip_unneeded" not in message
+    assert_nothing_installed()

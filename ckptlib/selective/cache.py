@@ -198,14 +198,24 @@ class _OpCache:
             return None
         return self.skippable
 
-    def check_position(self, func: OpOverload, position: int) -> None:
-        if position >= self.calls[func]:
+    def check_position(self, func: OpOverload, position: int, *, read_skipped: bool = False) -> None:
+        """Refuse a rerun call the forward pass never made. ``read_skipped``: the call reads an
+        empty stand-in of a skipped op, the mark of values the function read back to Python."""
+        if position < self.calls[func]:
+            return
+        head = (f"selective checkpoint: the recomputation called {func} {position + 1} times, the "
+                f"forward pass only {self.calls[func]} times, so the cached outputs no longer match the ops. ")
+        if read_skipped:
+            # Values read into Python (.tolist()) are a dependency the op graph cannot
+            # see: the rerun skipped the op that made it, and Python then asks a stand-in for it.
             raise CheckpointError(
-                f"selective checkpoint: the recomputation called {func} {position + 1} times, the "
-                f"forward pass only {self.calls[func]} times, so the cached outputs no longer match "
-                "the ops. The checkpointed function must run the same ops in both passes: no "
-                "branches on random numbers, time, global flags or train/eval mode changed in between."
-            )
+                head + "It reads the empty stand-in of an op the rerun skipped: the function most "
+                "likely reads a tensor's values back to Python with .tolist() (or .numpy()) and "
+                "computes on from them. Pass skip_unneeded=False to selective_checkpoint "
+                "so that the rerun runs every op.")
+        raise CheckpointError(
+            head + "The checkpointed function must run the same ops in both passes: no branches on "
+            "random numbers, time, global flags or train/eval mode changed in between.")
 
     def take(self, func: OpOverload, position: int, args: tuple, consume: bool) -> _Saved | None:
         """The entry for call ``position`` of ``func``, if saved; ``consume`` forgets it

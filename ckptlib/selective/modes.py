@@ -211,7 +211,9 @@ class ReplaySavedOps(TorchDispatchMode):
         position = self.calls[func]
         self.calls[func] = position + 1
         cache = self.cache
-        cache.check_position(func, position)
+        if position >= cache.calls[func]:     # refused: say whether it reads a skipped result
+            cache.check_position(func, position, read_skipped=self.skippable is not None and any(
+                t.is_meta for t in _input_tensors(args, kwargs)))
         if self.skippable is not None:
             skip = self.skippable.get((func, position))
             if skip is not None:
