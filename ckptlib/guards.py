@@ -27,34 +27,50 @@ same kind of node (``t * 2`` against ``t * 3``).
 Versions of what the region reads from outside. Autograd checks at every
 unpack that a saved tensor was not modified in place since it was saved
 (``tensor._version``). A rerun *reads* tensors instead of unpacking them, so it
-checks them itself, before it runs:
+checks them itself. Two kinds of tensors are certainly read, and checked before
+the rerun starts:
 
 * the region's inputs (their versions at the call);
 * leaves saved by an op in forward, and views of leaves (``weight.t()``): the
-  leaf's version at the pack;
-* parameters and buffers of the modules reachable from ``fn``: ``fn`` itself,
-  ``fn.__self__`` (a bound method), a ``functools.partial``'s function and
-  arguments, closure cells and default arguments (one level into lists, tuples
-  and dicts; functions found there are followed the same way);
-* tensors found the same way (a captured weight).
+  leaf's version at the pack.
+
+The others are tensors the region *may* read: the parameters and buffers of the
+modules reachable from ``fn`` (``fn`` itself, ``fn.__self__`` of a bound method,
+a ``functools.partial``'s function and arguments, closure cells and default
+arguments, one level into lists, tuples and dicts, functions found there followed
+the same way), and tensors found the same way (a captured weight). Their versions
+are noted at the call, and compared before the rerun. Most reruns find none
+changed and run as they are. One that finds some changed (an optimizer step before
+backward; a BatchNorm that a later segment, or the rest of a model the function
+closes over, ran after this region) runs under a dispatch mode that refuses the
+first op that reads one of them, matched by identity or by storage: a changed
+tensor the region does not read (that other BatchNorm) is no reason to refuse,
+and one it reads (the stepped weight) is, however deep inside a module or a
+TorchScript function it is read. An op after the last tensor backward needs is
+never run (early stop), so its reads are not checked either: they change nothing
+backward uses.
 
 A tensor that the region itself modifies during its forward (BatchNorm's
 ``num_batches_tracked``) is state it *writes*, not an input: it is not checked,
 and what a rerun leaves behind is the next rerun's baseline. An optimizer step
 between forward and backward bumps the weights' versions and the rerun refuses,
 where plain autograd raises too (it saved the weights). The check is conservative:
-it also refuses when the changed tensor would not have changed what the rerun
-saves (a bias whose layer's output nobody saves), where plain autograd is silent
-and right; a rerun after an in-place update of its weights is suspect either way.
+it also refuses when the changed tensor is read but would not have changed what
+the rerun saves (a bias whose layer's output nobody saves), where plain autograd is
+silent and right; a rerun after an in-place update of its weights is suspect either way.
 
 What the version check cannot see: tensors reached through a global variable,
 through an attribute of an object that is not a module (``checkpoint(obj.method,
 x)`` with a plain class), or deeper than one container level; a parameter
 *replaced* rather than modified (``module.weight = nn.Parameter(...)``); writes
-through ``.data`` (invisible to autograd too); and state that is no tensor (a
+through ``.data`` (invisible to autograd too); values read without an aten op
+(``tensor.numpy()``); and state that is no tensor (a
 Python float, a global flag: the key check sees those only when they change
-what is saved). The walk costs time in proportion to what it reaches: checkpoint
-a block (``checkpoint(block, x)``), not a lambda that closes over the whole model.
+what is saved). The walk looks into functions, bound methods and partials only
+(by their type: a user's object may answer every attribute, or raise from one),
+and leaves out what raises while it looks. It costs time in proportion to what
+it reaches: checkpoint a block (``checkpoint(block, x)``), not a lambda that
+closes over the whole model.
 
 Which saved tensors free memory. The same walk, this time also through the
 global names a function's code reads (a notebook's ``lambda t: model(t)``), gives
@@ -264,7 +280,8 @@ def _add_tensors(obj: Any, found: list[torch.Tensor], modules_seen: set[int]) ->
         return
     modules_seen.add(id(obj))
     attributes = obj.__dict__
-    parameters, buffers, children = attributes.get("_parameters"), attributes.get("_buffers"), attributes.get("_modules")
+    parameters, buffers = attributes.get("_parameters"), attributes.get("_buffers")
+    children = attributes.get("_modules")
     if parameters is None or buffers is None or children is None:
         try:
             found.extend(tensor for tensor in (*obj.parameters(), *obj.buffers()) if tensor is not None)

@@ -23,6 +23,20 @@ storage, so its weakref callback fires when the memory is given back. This is
 how torch's private ``MemTracker`` counts, and it is exact for every tensor an
 op returns; what it cannot see is scratch memory *inside* a kernel.
 
+Not every tensor is one storage. A sparse COO tensor holds an index and a value
+tensor (a compressed one, CSR and the like, three); a wrapper subclass that says
+what it wraps (``__tensor_flatten__``: nested jagged tensors, DTensor) holds its
+inner tensors; each of those storages is counted. An MKL-DNN tensor holds an
+opaque buffer of ``numel * element_size`` bytes, freed with the tensor. Three
+ways to allocate escape the rule "a new storage in an op's output": ``torch.tensor
+([...])`` makes its tensor outside dispatch and hands it over through an alias op
+(``aten.lift_fresh``), counted when torch's allocator owns it (not NumPy memory
+lent by ``torch.as_tensor``); ``resize_`` and ``out=`` give a tensor written in
+place a larger storage, counted by comparing sizes around the op (for a moment
+old and new both exist); and ``tensor.untyped_storage().resize_(n)`` runs no op at
+all, so while a tensor meter runs, ``UntypedStorage.resize_`` reports to it (the
+original method is back when the last meter ends).
+
 What the numbers mean
 =====================
 
