@@ -161,7 +161,7 @@ class _OpShape(NamedTuple):
     may_be_new: tuple[bool, ...] | None   # per return: may it hold new memory? None: no return may
     written: tuple[int | str, ...]        # positions (or keyword names) of the tensors it writes
     resizes: bool                         # may it give a strided tensor it writes memory of another size?
-    keeps_storage: bool                   # an in-place op on its first argument only (add_): not resizes
+    keeps_storage: bool                   # writes only its first argument, in place (add_): same storage
     fresh: bool                           # aten.lift_fresh: hands over a tensor made outside dispatch
 
 
