@@ -276,10 +276,7 @@ class _Frame:
     @property
     def region(self) -> str:
         """A readable name for this checkpoint call, e.g. ``Block.forward@3``."""
-        name = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
-        if name.startswith("_VariableFunctions"):  # torch.sin and friends: just "sin"
-            name = self.fn.__name__
-        return f"{name}@{self.region_number}"
+        return f"{guards.function_name(self.fn)}@{self.region_number}"
 
     def meta(self, index: int) -> TensorMeta:
         return TensorMeta.from_key(self.keys[index])

@@ -27,34 +27,50 @@ same kind of node (``t * 2`` against ``t * 3``).
 Versions of what the region reads from outside. Autograd checks at every
 unpack that a saved tensor was not modified in place since it was saved
 (``tensor._version``). A rerun *reads* tensors instead of unpacking them, so it
-checks them itself, before it runs:
+checks them itself. Two kinds of tensors are certainly read, and checked before
+the rerun starts:
 
 * the region's inputs (their versions at the call);
 * leaves saved by an op in forward, and views of leaves (``weight.t()``): the
-  leaf's version at the pack;
-* parameters and buffers of the modules reachable from ``fn``: ``fn`` itself,
-  ``fn.__self__`` (a bound method), a ``functools.partial``'s function and
-  arguments, closure cells and default arguments (one level into lists, tuples
-  and dicts; functions found there are followed the same way);
-* tensors found the same way (a captured weight).
+  leaf's version at the pack.
+
+The others are tensors the region *may* read: the parameters and buffers of the
+modules reachable from ``fn`` (``fn`` itself, ``fn.__self__`` of a bound method,
+a ``functools.partial``'s function and arguments, closure cells and default
+arguments, one level into lists, tuples and dicts, functions found there followed
+the same way), and tensors found the same way (a captured weight). Their versions
+are noted at the call, and compared before the rerun. Most reruns find none
+changed and run as they are. One that finds some changed (an optimizer step before
+backward; a BatchNorm that a later segment, or the rest of a model the function
+closes over, ran after this region) runs under a dispatch mode that refuses the
+first op that reads one of them, matched by identity or by storage: a changed
+tensor the region does not read (that other BatchNorm) is no reason to refuse,
+and one it reads (the stepped weight) is, however deep inside a module or a
+TorchScript function it is read. An op after the last tensor backward needs is
+never run (early stop), so its reads are not checked either: they change nothing
+backward uses.
 
 A tensor that the region itself modifies during its forward (BatchNorm's
 ``num_batches_tracked``) is state it *writes*, not an input: it is not checked,
 and what a rerun leaves behind is the next rerun's baseline. An optimizer step
 between forward and backward bumps the weights' versions and the rerun refuses,
 where plain autograd raises too (it saved the weights). The check is conservative:
-it also refuses when the changed tensor would not have changed what the rerun
-saves (a bias whose layer's output nobody saves), where plain autograd is silent
-and right; a rerun after an in-place update of its weights is suspect either way.
+it also refuses when the changed tensor is read but would not have changed what
+the rerun saves (a bias whose layer's output nobody saves), where plain autograd is
+silent and right; a rerun after an in-place update of its weights is suspect either way.
 
 What the version check cannot see: tensors reached through a global variable,
 through an attribute of an object that is not a module (``checkpoint(obj.method,
 x)`` with a plain class), or deeper than one container level; a parameter
 *replaced* rather than modified (``module.weight = nn.Parameter(...)``); writes
-through ``.data`` (invisible to autograd too); and state that is no tensor (a
+through ``.data`` (invisible to autograd too); values read without an aten op
+(``tensor.numpy()``); and state that is no tensor (a
 Python float, a global flag: the key check sees those only when they change
-what is saved). The walk costs time in proportion to what it reaches: checkpoint
-a block (``checkpoint(block, x)``), not a lambda that closes over the whole model.
+what is saved). The walk looks into functions, bound methods and partials only
+(by their type: a user's object may answer every attribute, or raise from one),
+and leaves out what raises while it looks. It costs time in proportion to what
+it reaches: checkpoint a block (``checkpoint(block, x)``), not a lambda that
+closes over the whole model.
 
 Which saved tensors free memory. The same walk, this time also through the
 global names a function's code reads (a notebook's ``lambda t: model(t)``), gives
@@ -77,12 +93,15 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import types
 import warnings
 import weakref
 from typing import Any, Callable, Collection
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ckptlib.trace import TensorMeta
 
@@ -174,9 +193,28 @@ def key_mismatch(index: int, forward: tuple, rerun: tuple) -> str:
 # ---------------------------------------------------------------------------
 
 
+def function_name(fn: Any) -> str:
+    """How a region and its messages name ``fn``: ``Block.forward``, ``sin``, else its type's name.
+
+    Never raises: a user's callable may answer every attribute (a proxy) or raise from a property.
+    """
+    try:
+        name = getattr(fn, "__qualname__", None)
+        if isinstance(name, str) and name.startswith("_VariableFunctions"):  # torch.sin and friends: "sin"
+            name = getattr(fn, "__name__", None)
+    except Exception:
+        name = None
+    return name if isinstance(name, str) and name else type(fn).__name__
+
+
 def _roots(fn: Callable[..., Any], through_globals: bool = False) -> list[tuple[str, Any]]:
     """(label, module or tensor) for everything reachable from ``fn`` (see the notes); with
-    ``through_globals``, also through the global names a function's code reads."""
+    ``through_globals``, also through the global names a function's code reads.
+
+    Only real functions, bound methods and ``functools.partial`` objects are looked into, by
+    their type: a user's object may answer every attribute (a proxy) or raise from one, and
+    one that raises while being looked at is left out rather than failing the checkpoint.
+    """
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
 
@@ -184,6 +222,12 @@ def _roots(fn: Callable[..., Any], through_globals: bool = False) -> list[tuple[
         if id(obj) in seen or depth > 4:
             return
         seen.add(id(obj))
+        try:
+            look_into(label, obj, depth)
+        except Exception:
+            pass
+
+    def look_into(label: str, obj: Any, depth: int) -> None:
         if isinstance(obj, (nn.Module, torch.Tensor)):
             found.append((label, obj))
         elif isinstance(obj, functools.partial):
@@ -192,10 +236,10 @@ def _roots(fn: Callable[..., Any], through_globals: bool = False) -> list[tuple[
                 visit(f"{label}.args[{position}]", arg, depth + 1)
             for name, arg in obj.keywords.items():
                 visit(f"{label}.keywords[{name!r}]", arg, depth + 1)
-        elif hasattr(obj, "__self__") and hasattr(obj, "__func__"):      # a bound method
+        elif isinstance(obj, types.MethodType):                            # a bound method
             visit(type(obj.__self__).__name__, obj.__self__, depth + 1)
             visit(label, obj.__func__, depth + 1)
-        elif hasattr(obj, "__code__"):                                     # a Python function
+        elif isinstance(obj, types.FunctionType):                          # a Python function
             cells = zip(obj.__code__.co_freevars, obj.__closure__ or ())
             for name, cell in cells:
                 try:
@@ -209,10 +253,9 @@ def _roots(fn: Callable[..., Any], through_globals: bool = False) -> list[tuple[
             for name, default in (obj.__kwdefaults__ or {}).items():
                 visit(name, default, depth + 1)
             if through_globals:
-                module_globals = getattr(obj, "__globals__", {})
                 for name in obj.__code__.co_names:
-                    if name in module_globals:
-                        visit(name, module_globals[name], depth + 1)
+                    if name in obj.__globals__:
+                        visit(name, obj.__globals__[name], depth + 1)
         elif isinstance(obj, (list, tuple)) and depth > 0:
             for position, item in enumerate(obj):
                 visit(f"{label}[{position}]", item, depth + 2)   # one level only
@@ -220,8 +263,7 @@ def _roots(fn: Callable[..., Any], through_globals: bool = False) -> list[tuple[
             for key, item in obj.items():
                 visit(f"{label}[{key!r}]", item, depth + 2)
 
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    visit(type(fn).__name__ if isinstance(fn, nn.Module) else name, fn, 0)
+    visit(type(fn).__name__ if isinstance(fn, nn.Module) else function_name(fn), fn, 0)
     return found
 
 
@@ -229,7 +271,8 @@ def _add_tensors(obj: Any, found: list[torch.Tensor], modules_seen: set[int]) ->
     """Add a tensor, or a module's parameters and buffers (its submodules' too), to ``found``.
 
     (Reads the module's dicts itself: ``module.modules()`` costs more than the whole walk,
-    and this runs at every checkpoint call.)"""
+    and this runs at every checkpoint call. A TorchScript module keeps no such dicts: its
+    tensors come from ``parameters()`` and ``buffers()``.)"""
     if isinstance(obj, torch.Tensor):
         found.append(obj)
         return
@@ -237,13 +280,21 @@ def _add_tensors(obj: Any, found: list[torch.Tensor], modules_seen: set[int]) ->
         return
     modules_seen.add(id(obj))
     attributes = obj.__dict__
-    for tensor in attributes["_parameters"].values():
+    parameters, buffers = attributes.get("_parameters"), attributes.get("_buffers")
+    children = attributes.get("_modules")
+    if parameters is None or buffers is None or children is None:
+        try:
+            found.extend(tensor for tensor in (*obj.parameters(), *obj.buffers()) if tensor is not None)
+        except Exception:     # a module that cannot list its tensors: nothing of it is checked
+            pass
+        return
+    for tensor in parameters.values():
         if tensor is not None:
             found.append(tensor)
-    for tensor in attributes["_buffers"].values():
+    for tensor in buffers.values():
         if tensor is not None:
             found.append(tensor)
-    for child in attributes["_modules"].values():
+    for child in children.values():
         if child is not None:
             _add_tensors(child, found, modules_seen)
 
@@ -300,7 +351,9 @@ class OutsideReads:
         self.read = read
 
     def changed(self) -> str | None:
-        """What was modified in place since the forward (or the last rerun), or ``None``."""
+        """What the rerun certainly reads that was modified in place since the forward (or the
+        last rerun), or ``None``: an input, or a leaf an op saved. (The other tensors ``fn`` reaches
+        are watched during the rerun: :meth:`around_rerun`.)"""
         for position, (ref, version) in enumerate(self.inputs):
             tensor = ref()
             if tensor is not None and tensor._version != version:
@@ -308,20 +361,23 @@ class OutsideReads:
                         f"the checkpointed forward (version {version} -> {tensor._version}); recomputing "
                         "from it would give wrong activations. Clone the input before modifying it, or "
                         "modify a copy.")
-        stale = [(tensor, version) for tensor, version in self.read if tensor._version != version]
         for ref, version in self.saved_leaves:
             leaf = ref()
             if leaf is not None and leaf._version != version:
-                stale.append((leaf, version))
-        if not stale:
-            return None
-        tensor, version = stale[0]
+                return self.modified_message(leaf, version)
+        return None
+
+    def stale(self) -> list[tuple[torch.Tensor, int]]:
+        """(tensor, version at the forward) for each tensor ``fn`` reaches that changed since."""
+        return [(tensor, version) for tensor, version in self.read if tensor._version != version]
+
+    def modified_message(self, tensor: torch.Tensor, version: int) -> str:
         return (f"{self.name_of(tensor)} was modified in place between the forward pass and this "
-                f"recomputation (version {version} -> {tensor._version}). The rerun would compute with "
-                "the new values, not the ones the forward used, and give wrong gradients (plain autograd "
-                "raises here too when it saved the tensor). Usual cause: an optimizer step, or another "
-                "in-place update, before backward: call backward first, then step; or clone the tensor "
-                "before changing it.")
+                f"recomputation (version {version} -> {tensor._version}), and the recomputation reads it. "
+                "The rerun would compute with the new values, not the ones the forward used, and give wrong "
+                "gradients (plain autograd raises here too when it saved the tensor). Usual cause: an "
+                "optimizer step, or another in-place update, before backward: call backward first, then "
+                "step; or clone the tensor before changing it.")
 
     def name_of(self, tensor: torch.Tensor) -> str:
         """``parameter `Block.fc1.weight` (8x8 float32 ...)`` where a root leads to it, else its metadata."""
@@ -331,15 +387,23 @@ class OutsideReads:
                 return f"captured tensor `{label}` ({meta})"
             if isinstance(obj, nn.Module):
                 for kind, named in (("parameter", obj.named_parameters), ("buffer", obj.named_buffers)):
-                    for name, candidate in named(remove_duplicate=False):
-                        if candidate is tensor:
-                            return f"{kind} `{label}.{name}` ({meta})"
+                    try:
+                        for name, candidate in named(remove_duplicate=False):
+                            if candidate is tensor:
+                                return f"{kind} `{label}.{name}` ({meta})"
+                    except Exception:   # a module that cannot name its tensors: described by metadata
+                        pass
         kind = "a parameter" if tensor.requires_grad else "a constant"
         return f"a tensor the region reads ({meta}, a leaf that {'requires' if tensor.requires_grad else 'does not require'} grad: {kind})"
 
-    def rebaseline(self) -> None:
-        """After a rerun: what it wrote is the next rerun's starting point."""
-        self.read = [(tensor, tensor._version) for tensor, _ in self.read]
+    def rebaseline(self, keep: set[int] = frozenset()) -> None:
+        """After a rerun: what it wrote is the next rerun's starting point. Tensors in ``keep`` (ids
+        of tensors changed since the forward: the next rerun must still not read them) keep the
+        forward's version."""
+        if keep:
+            self.read = [(tensor, version if id(tensor) in keep else tensor._version) for tensor, version in self.read]
+        else:
+            self.read = [(tensor, tensor._version) for tensor, _ in self.read]
         leaves = [ref() for ref, _ in self.saved_leaves]
         self.saved_leaves = [(weakref.ref(leaf), leaf._version) for leaf in leaves if leaf is not None]
 
@@ -352,27 +416,75 @@ class OutsideReads:
             if obj is tensor:
                 return tensor, f"captured tensor `{label}`"
             if isinstance(obj, nn.Module):
-                for path, module in obj.named_modules(remove_duplicate=False):
-                    for name, buffer in module._buffers.items():
-                        if buffer is tensor:
-                            where = f"{label}.{path}" if path else label
-                            return module, f"{type(module).__name__} `{where}` (buffer {name})"
+                try:
+                    for path, module in obj.named_modules(remove_duplicate=False):
+                        for name, buffer in module._buffers.items():
+                            if buffer is tensor:
+                                where = f"{label}.{path}" if path else label
+                                return module, f"{type(module).__name__} `{where}` (buffer {name})"
+                except Exception:   # a module that cannot list its submodules: described by metadata
+                    pass
         return tensor, f"a tensor ({TensorMeta.of(tensor)})"
 
 
 _warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
+class _StaleReads(TorchDispatchMode):
+    """During a rerun: refuses the first op that reads a tensor modified in place since the forward.
+
+    Pushed only when such a tensor exists (an optimizer step before backward, a BatchNorm that
+    ran after this region), so a rerun without one runs with no per-op Python code. A tensor is
+    matched by identity or by its storage (a view of it made before the forward)."""
+
+    def __init__(self, reads: OutsideReads, region: str, stale: list[tuple[torch.Tensor, int]]) -> None:
+        super().__init__()
+        self.reads, self.region = reads, region
+        self.by_id = {id(tensor): (tensor, version) for tensor, version in stale}
+        self.by_storage = {ptr: (tensor, version) for tensor, version in stale if (ptr := storage_ptr(tensor))}
+        self.message: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.message is None:
+            for arg in tree_flatten((args, kwargs))[0]:
+                if isinstance(arg, torch.Tensor):
+                    hit = self.by_id.get(id(arg)) or self.by_storage.get(storage_ptr(arg))
+                    if hit is not None:
+                        self.message = f"checkpoint {self.region}: {self.reads.modified_message(*hit)}"
+                        raise _checkpoint_error(self.message)
+        return func(*args, **(kwargs or {}))
+
+
+def _checkpoint_error(message: str) -> Exception:
+    from ckptlib.checkpoint import CheckpointError   # checkpoint imports this module: imported when raised
+
+    return CheckpointError(message)
+
+
 class _StateWatch:
-    """Copies the forward's written state before a rerun; warns if the rerun leaves it changed."""
+    """Around a rerun: watches reads of tensors changed since the forward; copies the forward's
+    written state and warns if the rerun leaves it changed."""
 
     def __init__(self, reads: OutsideReads, region: str) -> None:
         self.reads, self.region = reads, region
 
     def __enter__(self) -> None:
         self.before = [t.clone() for t in self.reads.written]
+        stale = self.reads.stale()
+        self.keep = {id(tensor) for tensor, _ in stale} if stale else frozenset()
+        self.watch = _StaleReads(self.reads, self.region, stale) if stale else None
+        if self.watch is not None:
+            self.watch.__enter__()
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        if self.watch is not None:
+            self.watch.__exit__(exc_type, exc, traceback)
+        self.reads.rebaseline(self.keep)
+        if self.watch is not None and self.watch.message is not None:
+            # Raised from inside an op (a TorchScript interpreter wraps it): raise it as itself.
+            if not (isinstance(exc, RuntimeError) and str(exc) == self.watch.message):
+                raise _checkpoint_error(self.watch.message) from exc
+            return
         for tensor, before in zip(self.reads.written, self.before):
             if torch.equal(tensor, before):
                 continue
@@ -389,7 +501,6 @@ class _StateWatch:
                 "(a context_fn that restores the buffers, or a forward pre-hook that sets momentum to 0 "
                 "while ckptlib.checkpoint.is_recomputing(), as in notebook 04). Warned once per module.",
                 StateUpdatedTwiceWarning, stacklevel=_caller_stacklevel())
-        self.reads.rebaseline()
 
 
 _LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)

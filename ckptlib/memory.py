@@ -23,6 +23,20 @@ storage, so its weakref callback fires when the memory is given back. This is
 how torch's private ``MemTracker`` counts, and it is exact for every tensor an
 op returns; what it cannot see is scratch memory *inside* a kernel.
 
+Not every tensor is one storage. A sparse COO tensor holds an index and a value
+tensor (a compressed one, CSR and the like, three); a wrapper subclass that says
+what it wraps (``__tensor_flatten__``: nested jagged tensors, DTensor) holds its
+inner tensors; each of those storages is counted. An MKL-DNN tensor holds an
+opaque buffer of ``numel * element_size`` bytes, freed with the tensor. Three
+ways to allocate escape the rule "a new storage in an op's output": ``torch.tensor
+([...])`` makes its tensor outside dispatch and hands it over through an alias op
+(``aten.lift_fresh``), counted when torch's allocator owns it (not NumPy memory
+lent by ``torch.as_tensor``); ``resize_`` and ``out=`` give a tensor written in
+place a larger storage, counted by comparing sizes around the op (for a moment
+old and new both exist); and ``tensor.untyped_storage().resize_(n)`` runs no op at
+all, so while a tensor meter runs, ``UntypedStorage.resize_`` reports to it (the
+original method is back when the last meter ends).
+
 What the numbers mean
 =====================
 
@@ -74,7 +88,7 @@ from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from ckptlib._arguments import flag, function, got
 from ckptlib.checkpoint import is_recomputing
@@ -140,21 +154,102 @@ class MemoryReport:
                 f"at the end ({self.backend} meter on {self.device}; ops: {ops or 'none recorded'})")
 
 
-def _new_storage_returns(func: Any) -> tuple[bool, ...]:
-    """For each return of an aten op: may it hold a new storage? Not if it is no tensor
-    (``aten._local_scalar_dense`` returns a number) or the schema says it aliases an input."""
-    return tuple(ret.alias_info is None and "Tensor" in str(ret.type) for ret in func._schema.returns)
+class _OpShape(NamedTuple):
+    """What the meter needs to know about one aten op, read once from its schema."""
+
+    name: str
+    may_be_new: tuple[bool, ...] | None   # per return: may it hold new memory? None: no return may
+    written: tuple[int | str, ...]        # positions (or keyword names) of the tensors it writes
+    resizes: bool                         # may it give a strided tensor it writes memory of another size?
+    keeps_storage: bool                   # writes only its first argument, in place (add_): same storage
+    fresh: bool                           # aten.lift_fresh: hands over a tensor made outside dispatch
 
 
-def _storage_ptrs(args: tuple) -> list[int]:
-    """Addresses of the storages of an op's tensor arguments (also inside list arguments)."""
-    ptrs = []
+# In-place ops keep a strided tensor's storage, except these (and ``out=`` arguments, which are
+# resized to fit); a sparse tensor written in place may get new index and value tensors.
+_RESIZING_OPS = {"resize_", "resize_as_", "set_", "_resize_output_"}
+
+
+def _op_shape(func: Any) -> _OpShape:
+    """A return may hold new memory unless it is no tensor (``aten._local_scalar_dense`` returns a
+    number) or the schema says it aliases an input; an argument marked ``(a!)`` is written."""
+    schema = func._schema
+    may_be_new = tuple(ret.alias_info is None and "Tensor" in str(ret.type) for ret in schema.returns)
+    written = [(position, argument) for position, argument in enumerate(schema.arguments)
+               if argument.alias_info is not None and argument.alias_info.is_write and "Tensor" in str(argument.type)]
+    name = func._overloadpacket.__name__
+    places = tuple(argument.name if argument.kwarg_only else position for position, argument in written)
+    resizes = name in _RESIZING_OPS or any(argument.kwarg_only for _, argument in written)
+    return _OpShape(name, may_be_new if any(may_be_new) else None, places, resizes,
+                    not resizes and places == (0,) and "[]" not in str(written[0][1].type),
+                    func is torch.ops.aten.lift_fresh.default)
+
+
+_COMPRESSED_PARTS = {
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def _memory_of(tensor: torch.Tensor) -> list[tuple[Any, int]]:
+    """(owner, bytes) for each block of memory ``tensor`` holds; the owner lives exactly as long as the block.
+
+    A strided tensor holds its storage. A sparse COO tensor holds no storage of its own but two
+    tensors, indices and values; a compressed one (CSR, CSC, BSR, BSC) three. A wrapper subclass
+    that says what it wraps (``__tensor_flatten__``: a nested jagged tensor, DTensor, ...) holds
+    its inner tensors. An MKL-DNN tensor holds an opaque buffer of its elements, freed with the
+    tensor itself. Anything else that has no storage shows no memory (the meter cannot see it).
+    """
+    layout = tensor.layout
+    if layout is torch.strided and type(tensor) is torch.Tensor:   # the common case, first
+        storage = tensor.untyped_storage()
+        return [(storage, storage.nbytes())]
+    if layout is torch.sparse_coo:
+        return _memory_of(tensor._indices()) + _memory_of(tensor._values())
+    if layout in _COMPRESSED_PARTS:
+        return [block for part in _COMPRESSED_PARTS[layout] for block in _memory_of(getattr(tensor, part)())]
+    if layout is torch._mkldnn:   # type: ignore[attr-defined]
+        return [(tensor, tensor.numel() * tensor.element_size())]
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is not None and type(tensor) is not torch.Tensor:
+        inner = [getattr(tensor, name) for name in flatten()[0]]
+        return [block for part in inner if isinstance(part, torch.Tensor) for block in _memory_of(part)]
+    try:
+        storage = tensor.untyped_storage()
+        return [(storage, storage.nbytes())]
+    except (RuntimeError, NotImplementedError):
+        return []
+
+
+def _address(owner: Any) -> int:
+    """Where a block of memory is: a storage's data pointer, an opaque tensor's identity."""
+    return owner.data_ptr() if isinstance(owner, torch.UntypedStorage) else id(owner)
+
+
+def _input_addresses(args: tuple) -> set[int]:
+    """Addresses of the memory an op's tensor arguments hold (also inside list arguments)."""
+    addresses = set()
     for arg in args:
-        if isinstance(arg, torch.Tensor):
-            ptrs.append(arg.untyped_storage().data_ptr())
-        elif isinstance(arg, (list, tuple)):
-            ptrs.extend(a.untyped_storage().data_ptr() for a in arg if isinstance(a, torch.Tensor))
-    return ptrs
+        for tensor in arg if isinstance(arg, (list, tuple)) else (arg,):
+            if type(tensor) is torch.Tensor and tensor.layout is torch.strided:   # the common case
+                addresses.add(tensor.untyped_storage().data_ptr())
+            elif isinstance(tensor, torch.Tensor):
+                addresses.update(_address(owner) for owner, _ in _memory_of(tensor))
+    return addresses
+
+
+def _resizable_written(shape: _OpShape, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes that it may give memory of another size (see ``_RESIZING_OPS``)."""
+    found = []
+    for where in shape.written:
+        value = kwargs.get(where) if isinstance(where, str) else args[where] if where < len(args) else None
+        for tensor in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(tensor, torch.Tensor) and not tensor.is_meta \
+                    and (shape.resizes or tensor.layout is not torch.strided):
+                found.append(tensor)
+    return found
 
 
 class _OpWatcher(TorchDispatchMode):
@@ -165,9 +260,42 @@ class _OpWatcher(TorchDispatchMode):
         self.meter = meter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        meter = self.meter
+        # Keyed by id: an OpOverload's own __hash__ is Python code, too slow to run per op.
+        described = meter._ops.get(id(func))
+        shape = described[1] if described is not None else meter._describe(func)
+        written = None
+        if shape.written and not (shape.keeps_storage and type(args[0]) is torch.Tensor
+                                  and args[0].layout is torch.strided):
+            written = meter._before_writing(shape, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
-        self.meter._after_op(func, args, out)
+        meter._after_op(shape, args, out, written)
         return out
+
+
+# Resizing a storage directly (``tensor.untyped_storage().resize_(0)``, as FSDP does to free a
+# gathered parameter) calls no aten op, so no dispatch mode sees it. While a tensor meter runs,
+# ``UntypedStorage.resize_`` tells the running meters; the original comes back when the last ends.
+_ORIGINAL_STORAGE_RESIZE = torch.UntypedStorage.resize_
+_resize_listeners: list["MemoryMeter"] = []
+_resize_listeners_lock = threading.Lock()
+
+
+def _storage_resize_(storage: torch.UntypedStorage, size: int) -> Any:
+    old_nbytes = storage.nbytes()
+    result = _ORIGINAL_STORAGE_RESIZE(storage, size)
+    for meter in list(_resize_listeners):
+        meter._resized(storage, old_nbytes, storage.nbytes(), inside=meter._watcher_active())
+    return result
+
+
+def _listen_to_storage_resizes(meter: "MemoryMeter", listen: bool) -> None:
+    with _resize_listeners_lock:
+        if listen:
+            _resize_listeners.append(meter)
+        else:
+            _resize_listeners.remove(meter)
+        torch.UntypedStorage.resize_ = _storage_resize_ if _resize_listeners else _ORIGINAL_STORAGE_RESIZE
 
 
 class MemoryMeter:
@@ -219,13 +347,13 @@ class MemoryMeter:
         self.on_op = on_op
         self.timeline: list[TimelineEntry] = []
         self._lock = threading.Lock()
-        self._storages: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> (weakref, nbytes)
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}  # id(owner) -> (weakref, nbytes)
         self._live = 0          # tensors backend: bytes of counted storages alive now
         self._peak = 0          # tensors backend: highest _live since entry
         self._baseline = 0
         self._final: int | None = None
-        # id(op) -> (op, name, which returns may be new); holding the op keeps its id unique
-        self._ops: dict[int, tuple[Any, str, tuple[bool, ...] | None]] = {}
+        # id(op) -> (op, what its schema says); holding the op keeps its id unique
+        self._ops: dict[int, tuple[Any, _OpShape]] = {}
         self._watcher: _OpWatcher | None = None
 
     # -- entering and leaving ---------------------------------------------
@@ -244,9 +372,13 @@ class MemoryMeter:
         if self.record_timeline or self.backend == "tensors":
             self._watcher = _OpWatcher(self)
             self._watcher.__enter__()
+        if self.backend == "tensors":
+            _listen_to_storage_resizes(self, True)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        if self.backend == "tensors":
+            _listen_to_storage_resizes(self, False)
         if self._watcher is not None:
             self._watcher.__exit__(*exc_info)
             self._watcher = None
@@ -284,23 +416,33 @@ class MemoryMeter:
                             str(self.device) if self.device is not None else "all devices", list(self.timeline))
 
     # -- per op (runs inside __torch_dispatch__: keep it lean) -------------
-    def _after_op(self, func: Any, args: tuple, out: Any) -> None:
-        # Keyed by id: an OpOverload's own __hash__ is Python code, too slow to run per op.
-        described = self._ops.get(id(func))
-        if described is None:
-            may_be_new = _new_storage_returns(func)
-            described = self._ops[id(func)] = (func, func._overloadpacket.__name__,
-                                               may_be_new if any(may_be_new) else None)
-        _, name, may_be_new = described
-        if may_be_new is not None and self.backend == "tensors":
-            if isinstance(out, torch.Tensor):
-                self._count(out, args)
-            else:
-                # Several returns (aten.native_layer_norm), or one list of tensors (aten._foreach_mul).
-                for value, maybe in zip((out,) if len(may_be_new) == 1 else out, may_be_new):
-                    for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
-                        if maybe and isinstance(tensor, torch.Tensor):
-                            self._count(tensor, args)
+    def _describe(self, func: Any) -> _OpShape:
+        shape = _op_shape(func)
+        self._ops[id(func)] = (func, shape)
+        return shape
+
+    def _before_writing(self, shape: _OpShape, args: tuple, kwargs: dict) -> tuple | None:
+        """Before an op that writes tensors it may resize: their memory now, and its inputs' addresses."""
+        if self.backend != "tensors":
+            return None
+        written = [(tensor, _memory_of(tensor)) for tensor in _resizable_written(shape, args, kwargs)]
+        return (written, _input_addresses(args)) if written else None
+
+    def _after_op(self, shape: _OpShape, args: tuple, out: Any, written: tuple | None) -> None:
+        if self.backend == "tensors":
+            if written is not None:
+                self._count_written(*written)
+            if shape.fresh:
+                self._count_fresh(out)
+            elif shape.may_be_new is not None:
+                if isinstance(out, torch.Tensor):
+                    self._count(out, args)
+                else:
+                    # Several returns (aten.native_layer_norm), or one list of tensors (aten._foreach_mul).
+                    for value, maybe in zip((out,) if len(shape.may_be_new) == 1 else out, shape.may_be_new):
+                        for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
+                            if maybe and isinstance(tensor, torch.Tensor):
+                                self._count(tensor, args)
         if self.record_timeline:
             if is_recomputing():
                 phase = "recompute"
@@ -308,7 +450,7 @@ class MemoryMeter:
                 phase = "backward"
             else:
                 phase = "forward"
-            entry = TimelineEntry._make((len(self.timeline), name, phase, self._current() - self._baseline))
+            entry = TimelineEntry._make((len(self.timeline), shape.name, phase, self._current() - self._baseline))
             self.timeline.append(entry)
             if self.on_op is not None:
                 self.on_op(entry)
@@ -316,16 +458,65 @@ class MemoryMeter:
     def _count(self, tensor: torch.Tensor, args: tuple) -> None:
         if tensor.is_meta or (self.device is not None and tensor.device != self.device):
             return  # meta tensors have a shape but no memory
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        if key in self._storages:
+        if type(tensor) is torch.Tensor and tensor.layout is torch.strided:   # the common case: one storage
+            storage = tensor.untyped_storage()
+            if id(storage) not in self._storages:
+                self._count_block(storage, storage.nbytes(), args)
             return
-        nbytes = storage.nbytes()
-        if nbytes == 0 or storage.data_ptr() in _storage_ptrs(args):
-            # Empty, or an input's storage returned by an op whose schema does not say so
-            # (aten._unsafe_view): nothing was allocated.
+        for owner, nbytes in _memory_of(tensor):
+            if id(owner) not in self._storages:
+                self._count_block(owner, nbytes, args)
+
+    def _count_block(self, owner: Any, nbytes: int, args: tuple) -> None:
+        # Not empty, and not an input's memory returned by an op whose schema does not say so
+        # (aten._unsafe_view, a sparse tensor built on its index and value tensors): allocated here.
+        if nbytes and _address(owner) not in _input_addresses(args):
+            self._track(owner, nbytes)
+
+    def _count_fresh(self, tensor: torch.Tensor) -> None:
+        """``aten.lift_fresh`` hands dispatch a tensor made outside it: new memory from ``torch.tensor``,
+        but NumPy's own memory (made before) from ``torch.as_tensor``/``torch.from_numpy``. Only memory
+        torch's allocator gave this tensor can be resized: that is what the block allocated."""
+        if tensor.is_meta or (self.device is not None and tensor.device != self.device):
             return
-        record = (weakref.ref(storage, partial(self._died, key)), nbytes)
+        for owner, nbytes in _memory_of(tensor):
+            if id(owner) not in self._storages and nbytes and isinstance(owner, torch.UntypedStorage) \
+                    and owner.resizable():
+                self._track(owner, nbytes)
+
+    def _count_written(self, written: list, inputs: set[int]) -> None:
+        """After an op that may write tensors: memory they hold now that they did not (a sparse
+        ``add_``'s new values), or memory whose size the op changed (``resize_``, ``out=``).
+        ``inputs``: the addresses of the op's arguments' memory before it ran."""
+        for tensor, before in written:
+            if self.device is not None and tensor.device != self.device:
+                continue
+            sizes = {id(owner): nbytes for owner, nbytes in before}
+            for owner, nbytes in _memory_of(tensor):
+                if id(owner) in sizes:
+                    if nbytes != sizes[id(owner)]:
+                        self._resized(owner, sizes[id(owner)], nbytes, inside=True)
+                elif nbytes and id(owner) not in self._storages and _address(owner) not in inputs:
+                    self._track(owner, nbytes)   # (set_ gives a tensor another's storage: an input's)
+
+    def _resized(self, owner: Any, old_nbytes: int, new_nbytes: int, inside: bool) -> None:
+        """A block of memory was reallocated from ``old_nbytes`` to ``new_nbytes``: for a moment
+        both exist (the contents are copied over), then the old one is freed. Memory the meter
+        does not count (made before the block) counts from here on, if this block resized it."""
+        with self._lock:
+            record = self._storages.get(id(owner))
+            if record is not None:
+                self._storages[id(owner)] = (record[0], new_nbytes)
+                if new_nbytes:
+                    self._peak = max(self._peak, self._live + new_nbytes)
+                self._live += new_nbytes - old_nbytes
+                return
+        if inside and new_nbytes:
+            self._track(owner, new_nbytes)
+
+    def _track(self, owner: Any, nbytes: int) -> None:
+        key = id(owner)
+        record = (weakref.ref(owner, partial(self._died, key)), nbytes)
         # Nothing inside the lock creates a Python container, so no garbage collection (and
         # no storage death calling _died in this thread) can start while it is held.
         with self._lock:
@@ -339,6 +530,10 @@ class MemoryMeter:
         with self._lock:
             _, nbytes = self._storages.pop(key)
             self._live -= nbytes
+
+    def _watcher_active(self) -> bool:
+        """Is this meter's block running in this thread (where a storage was just resized)?"""
+        return self._watcher is not None and self._watcher in _get_current_dispatch_mode_stack()
 
 
 def _normalised(device: torch.device | str | int | None) -> torch.device | None:

@@ -14,6 +14,7 @@ the same segments (``schedules.uniform``), the same outputs and gradients.
 """
 from __future__ import annotations
 
+import numbers
 import time
 from typing import Any, Callable, Sequence, Union
 
@@ -80,7 +81,10 @@ def checkpoint_sequential(
     return _run(plan.body, layers, input, preserve_rng_state)
 
 
-def _run(steps: tuple[Step, ...], layers: list[Callable[[Any], Any]], x: Any, preserve_rng_state: bool) -> Any:
+Layers = Union[list[Callable[[Any], Any]], dict[int, Callable[[Any], Any]]]   # by index in the chain
+
+
+def _run(steps: tuple[Step, ...], layers: Layers, x: Any, preserve_rng_state: bool) -> Any:
     for step in steps:
         if isinstance(step, Segment):
             x = checkpoint(_segment_function(step, layers, preserve_rng_state), x,
@@ -90,10 +94,13 @@ def _run(steps: tuple[Step, ...], layers: list[Callable[[Any], Any]], x: Any, pr
     return x
 
 
-def _segment_function(segment: Segment, layers: list[Callable[[Any], Any]],
-                      preserve_rng_state: bool) -> Callable[[Any], Any]:
+def _segment_function(segment: Segment, layers: Layers, preserve_rng_state: bool) -> Callable[[Any], Any]:
+    # The function holds only the segment's own layers: the checkpoint's guards watch the modules
+    # its function reaches, and a BatchNorm in a later segment is none of this one's business.
+    own_layers = {index: layers[index] for index in range(segment.start, segment.stop)}
+
     def run_segment(x: Any) -> Any:
-        return _run(segment.body, layers, x, preserve_rng_state)
+        return _run(segment.body, own_layers, x, preserve_rng_state)
 
     # checkpoint names its region after the function: traces then read "layers[4:8]@12".
     run_segment.__qualname__ = f"layers[{segment.start}:{segment.stop}]"
@@ -123,14 +130,16 @@ def _as_plan(segments_or_plan: int | Plan, n: int) -> Plan:
                              f"{segments_or_plan.n} layers, but there are {n} modules; build the plan "
                              f"for n={n}.")
         return segments_or_plan
-    if isinstance(segments_or_plan, bool) or not isinstance(segments_or_plan, int):
+    # A NumPy integer counts as an int (as torch's checkpoint_sequential takes it); a bool does not.
+    if isinstance(segments_or_plan, bool) or not isinstance(segments_or_plan, numbers.Integral):
         raise ValueError(f"checkpoint_sequential: segments must be an int (the number of segments) or a "
                          f"ckptlib.schedules.Plan, got {segments_or_plan!r} "
                          f"({type(segments_or_plan).__name__}).")
-    if not 1 <= segments_or_plan <= n:
-        raise ValueError(f"checkpoint_sequential: segments={segments_or_plan} must be between 1 and the "
+    segments = int(segments_or_plan)
+    if not 1 <= segments <= n:
+        raise ValueError(f"checkpoint_sequential: segments={segments} must be between 1 and the "
                          f"number of modules ({n}); with k segments, the first k-1 are checkpointed.")
-    return uniform(n, segments_or_plan)
+    return uniform(n, segments)
 
 
 def measure_layer_costs(modules: Modules, input: Any, *, repeat: int = 3) -> list[LayerCost]:

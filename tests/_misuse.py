@@ -17,6 +17,7 @@ from torch.nn.modules import module as module_hooks
 
 from ckptlib import rng
 from ckptlib.checkpoint import _thread_state, is_recomputing
+from ckptlib.memory import _ORIGINAL_STORAGE_RESIZE
 from ckptlib.trace import tracing_active
 
 
@@ -42,6 +43,7 @@ def installed() -> dict[str, Any]:
         "registered generator uses": len(rng._users),
         "recomputing": is_recomputing(),
         "peeking at saved tensors": _thread_state.peek is not None,
+        "memory meters listening to storage resizes": torch.UntypedStorage.resize_ is not _ORIGINAL_STORAGE_RESIZE,
     }
 
 

