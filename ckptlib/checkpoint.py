@@ -368,8 +368,8 @@ class _Frame:
                     f"({TensorMeta.of(tensor)}) in place during the forward pass (version {version} -> "
                     f"{tensor._version}), so the values the forward started from are gone and the "
                     "recomputation cannot start from them (plain autograd runs this, as it keeps every "
-                    "activation). Make the function leave its inputs alone (u = u * 2 instead of "
-                    "u.mul_(2)), or pass it a copy: checkpoint(fn, u.clone()).")
+                    "activation). Make the function leave its inputs alone: u = u * 2 instead of "
+                    "u.mul_(2), or u = u.clone() as its first line.")
                 return
 
     def _emit_forward_done(self, output: Any) -> None:
@@ -591,8 +591,9 @@ class _Frame:
         if functorch_level is not None and now_functorch_level != functorch_level:
             return ("the forward ran inside a torch.func transform (vmap, grad, jacrev, ...) and this "
                     "backward runs outside it, so the recomputation cannot rebuild the batched or wrapped "
-                    "tensors the forward saved. Take the gradient inside the transform (torch.func.grad or "
-                    "vjp of the function that checkpoints), or checkpoint outside the transform.")
+                    "tensors the forward saved (and torch.func.grad, vjp and jacrev refuse saved-tensor hooks, "
+                    "so the gradient cannot be taken inside either). Checkpoint outside the transform, "
+                    "e.g. around the vmapped call, or do not checkpoint a function that runs under it.")
         if forward_level >= 0 and now_forward_level != forward_level:
             return ("the forward ran inside forward-mode AD (torch.autograd.forward_ad.dual_level) and this "
                     "backward runs after that level was exited, so the recomputation runs without the dual "
@@ -601,9 +602,7 @@ class _Frame:
         return None
 
     def _rerun(self, rerun_input_ptrs: set[int], rng_uses: list[rng.in_use]) -> None:
-        # Detached: a hook that fn registers on an input (u.register_hook) would otherwise be registered
-        # a second time on the forward graph's node by the rerun, and fire twice in backward.
-        inputs = [t.detach().requires_grad_() if t.requires_grad else t for t in self.saved_inputs()]
+        inputs = [_rerun_input(t) if t.requires_grad else t for t in self.saved_inputs()]
         rerun_input_ptrs.update(guards.input_ptrs(inputs))
         leaves = self._leaves_with(inputs)
         args, kwargs = tree_unflatten(leaves, self.spec) if self.spec is not None else (leaves, {})
@@ -675,6 +674,18 @@ _NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 
 def _identity(x):
     return x
+
+
+def _rerun_input(tensor: torch.Tensor) -> torch.Tensor:
+    """An input for the rerun, detached from the forward's graph: a hook that fn registers on its input
+    (``u.register_hook``) would otherwise be registered on the forward graph's node a second time, and
+    fire twice in backward. Under forward-mode AD it keeps its tangent."""
+    detached = tensor.detach().requires_grad_()
+    if forward_ad._current_level >= 0:
+        tangent = forward_ad.unpack_dual(tensor).tangent
+        if tangent is not None:
+            return forward_ad.make_dual(detached, tangent)
+    return detached
 
 
 def _transform_levels() -> tuple[int, int | None]:

@@ -77,7 +77,7 @@ def _decision(decision: Any, policy: Callable[..., Any], func: OpOverload) -> bo
     """A policy's answer that is not ``True`` or ``False``: NumPy's booleans and torch's
     ``CheckpointPolicy`` (``MUST_SAVE``/``PREFER_SAVE`` keep) mean what they say; anything else
     (``"yes"``, ``None``, a number) is refused, since Python's truth would read ``"no"`` as keep."""
-    if type(decision).__name__ == "bool_":
+    if type(decision).__module__ == "numpy" and type(decision).__name__ in ("bool", "bool_"):   # NumPy 2, 1
         return bool(decision)
     torch_checkpoint = sys.modules.get("torch.utils.checkpoint")
     checkpoint_policy = getattr(torch_checkpoint, "CheckpointPolicy", None)
