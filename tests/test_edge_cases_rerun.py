@@ -460,6 +460,7 @@ def test_fn_that_changes_its_own_input_is_told_so():
     assert bitwise(run(lambda f, t: checkpoint(fixed, t)), run(plain))
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")   # forward AD's formulas use it
 def test_dual_level_exited_before_backward_is_named():
     def run(ckpt, backward_inside=False):
         a = seeded(15, 4)
@@ -516,7 +517,7 @@ def test_vmap_over_a_checkpoint_with_backward_outside_is_named():
     assert bitwise(around(checkpoint), expected)
 
 
-@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
 def test_torchscript_module_inside_a_checkpoint_keeps_early_stop():
     torch.manual_seed(0)
     scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh()))
