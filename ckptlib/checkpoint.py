@@ -695,7 +695,10 @@ def _transform_levels() -> tuple[int, int | None]:
 
 def _outside_inference_mode() -> ContextManager:
     # A backward under torch.inference_mode() is legal; the rerun must still record a graph.
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext()
+    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()   # stateless: one for every call
 
 
 def _current_node_name() -> str | None:
@@ -783,10 +786,11 @@ def checkpoint(
             recomputation so dropout draws the same mask. The caller's RNG stream is
             never moved by the recomputation. A ``torch.Generator`` of the caller's
             (``torch.rand(..., generator=g)``) is replayed too where the checkpoint can
-            find it: among the arguments, in ``fn``'s closure, defaults or the global names
-            its code reads, a ``functools.partial``'s arguments, or as an attribute of a
-            module ``fn`` is (or is bound to) and its submodules. One reached any other way
-            is not replayed, silently: pass it as an argument. Python's ``random`` and
+            find it: among the arguments, in ``fn``'s closure or defaults, as a global name
+            its code reads, in a ``functools.partial``'s arguments, or as an attribute of a
+            module ``fn`` is, is bound to or closes over, and of its submodules. One reached
+            any other way (an attribute of a plain object, of a module that is a global) is
+            not replayed, silently: pass it as an argument. Python's ``random`` and
             NumPy are never replayed; the first call of each function warns
             (``NotReplayedRandomWarning``) if it drew from them.
         early_stop: stop the recomputation as soon as every needed tensor is back

@@ -47,8 +47,8 @@ import functools
 import random
 import sys
 import threading
+import types
 import warnings
-import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -119,20 +119,20 @@ def replay(state: RNGState) -> Iterator["in_use"]:
     """
     if not isinstance(state, RNGState):
         raise TypeError(f"replay: state must be an RNGState from rng.capture(...), got {type(state).__name__}.")
-    with torch.random.fork_rng(devices=list(state.cuda_devices), enabled=True), in_use(state) as use, \
-            _replay_caller_generators(state.caller_generators):
+    callers = _replay_caller_generators(state.caller_generators) if state.caller_generators else _NOTHING
+    with torch.random.fork_rng(devices=list(state.cuda_devices), enabled=True), in_use(state) as use, callers:
         torch.set_rng_state(state.cpu)
         for device, device_state in zip(state.cuda_devices, state.cuda_states):
             torch.cuda.set_rng_state(device_state, device)
         yield use
 
 
+_NOTHING = contextlib.nullcontext()   # stateless: one for every call
+
+
 @contextlib.contextmanager
 def _replay_caller_generators(saved: tuple[tuple[torch.Generator, torch.Tensor], ...]) -> Iterator[None]:
     """``fork_rng`` for the caller's own generators: set each to its saved state, put it back after."""
-    if not saved:
-        yield
-        return
     current = [(generator, generator.get_state()) for generator, _ in saved]
     try:
         for generator, state in saved:
@@ -147,63 +147,77 @@ def generators_reachable(fn: Callable[..., Any], arguments: Iterable[Any]) -> li
     """The ``torch.Generator`` objects a region can draw from besides the global ones.
 
     Looks in ``arguments`` (the region's argument leaves), and from ``fn``: a function's closure
-    cells, defaults and the global names its code reads, a ``functools.partial``'s arguments, a
-    bound method's object, and a module's attributes and its submodules'; one level into lists,
-    tuples and dicts. Costs a few attribute reads for a function; a module's walk grows with its
-    submodules.
+    cells and defaults, the global names its code reads (a generator there, not a module), a
+    ``functools.partial``'s arguments, a bound method's object, and a module's attributes and its
+    submodules' (torch's own modules hold none: skipped); one level into lists, tuples and dicts.
+    About a microsecond for a function; a module's walk grows with its submodules.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> generators_reachable(lambda t: t * torch.rand(2, generator=g), []) == [g]
     True
     """
     found: dict[int, torch.Generator] = {}
-    for value in arguments:
-        if type(value) is torch.Generator:
-            found[id(value)] = value
+    _add_generators(arguments, found)
     _visit(fn, found, set(), 0)
     return list(found.values())
 
 
 def _visit(obj: Any, found: dict[int, torch.Generator], seen: set[int], depth: int) -> None:
-    if type(obj) is torch.Generator:
+    kind = type(obj)
+    if kind is torch.Generator:
         found[id(obj)] = obj
+    elif depth > 3 or id(obj) in seen:
         return
-    if depth > 3 or id(obj) in seen or isinstance(obj, (torch.Tensor, str, int, float, type(None))):
-        return
-    seen.add(id(obj))
-    if isinstance(obj, nn.Module):
-        for value in obj.__dict__.values():
-            if type(value) is torch.Generator:
-                found[id(value)] = value
+    elif kind is types.FunctionType:          # the common case first: one check per call
+        seen.add(id(obj))
+        _visit_function(obj, found, seen, depth)
+    elif isinstance(obj, nn.Module):
+        seen.add(id(obj))
+        if not kind.__module__.startswith("torch.nn."):   # torch's own modules keep no generator
+            _add_generators(obj.__dict__.values(), found)
         for child in obj._modules.values():
             _visit(child, found, seen, depth)       # submodules: any depth, they are the module's
-    elif isinstance(obj, functools.partial):
+    elif kind is functools.partial:
+        seen.add(id(obj))
         for value in (obj.func, *obj.args, *obj.keywords.values()):
             _visit(value, found, seen, depth + 1)
-    elif hasattr(obj, "__self__") and hasattr(obj, "__func__"):       # a bound method
+    elif kind is types.MethodType:                  # a bound method
         _visit(obj.__self__, found, seen, depth + 1)
         _visit(obj.__func__, found, seen, depth + 1)
-    elif hasattr(obj, "__code__"):                                      # a Python function
-        for cell in obj.__closure__ or ():
-            try:
-                _visit(cell.cell_contents, found, seen, depth + 1)
-            except ValueError:      # a cell not filled yet
-                pass
-        for value in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
+    elif depth > 0 and kind in (list, tuple):
+        _add_generators(obj, found)
+    elif depth > 0 and kind is dict:
+        _add_generators(obj.values(), found)
+
+
+def _visit_function(fn: types.FunctionType, found: dict[int, torch.Generator], seen: set[int], depth: int) -> None:
+    for cell in fn.__closure__ or ():
+        try:
+            _visit(cell.cell_contents, found, seen, depth + 1)
+        except ValueError:      # a cell not filled yet
+            pass
+    if fn.__defaults__:
+        for value in fn.__defaults__:
             _visit(value, found, seen, depth + 1)
-        module_globals = getattr(obj, "__globals__", {})
-        for name in obj.__code__.co_names:
-            value = module_globals.get(name)
-            if type(value) is torch.Generator or isinstance(value, nn.Module):
-                _visit(value, found, seen, depth + 1)
-    elif isinstance(obj, (list, tuple)) and depth > 0:
-        for value in obj:
-            if type(value) is torch.Generator:
-                found[id(value)] = value
-    elif isinstance(obj, dict) and depth > 0:
-        for value in obj.values():
-            if type(value) is torch.Generator:
-                found[id(value)] = value
+    if fn.__kwdefaults__:
+        for value in fn.__kwdefaults__.values():
+            _visit(value, found, seen, depth + 1)
+    # Global names: a generator itself only (a notebook's global `g`). Walking a global model at
+    # every call would cost what walking the module costs; checkpoint the module instead.
+    module_globals = fn.__globals__
+    for name in fn.__code__.co_names:
+        value = module_globals.get(name)
+        if type(value) is _GENERATOR:
+            found[id(value)] = value
+
+
+def _add_generators(values: Iterable[Any], found: dict[int, torch.Generator]) -> None:
+    for value in values:
+        if type(value) is _GENERATOR:
+            found[id(value)] = value
+
+
+_GENERATOR = torch.Generator
 
 
 # ---------------------------------------------------------------------------
@@ -261,7 +275,10 @@ class NotReplayedRandomWarning(UserWarning):
     recomputation does not replay."""
 
 
-_checked_functions: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# The code objects (and module classes) checked so far. A plain set, not a WeakSet: a membership test
+# runs at every checkpoint call, and a WeakSet's costs a microsecond; the set grows with the program's
+# code, not with its calls.
+_checked_functions: set[Any] = set()
 
 
 def _code_of(fn: Callable[..., Any]) -> Any:
@@ -293,12 +310,9 @@ class ForeignDraws:
     def first_time(fn: Callable[..., Any]) -> "ForeignDraws | None":
         """A ``ForeignDraws`` taken now, on the first call of ``fn``; ``None`` on later calls."""
         code = _code_of(fn)
-        try:
-            if code in _checked_functions:
-                return None
-            _checked_functions.add(code)
-        except TypeError:      # cannot be weakly referenced: check it every time
-            pass
+        if code in _checked_functions:
+            return None
+        _checked_functions.add(code)
         return ForeignDraws()
 
     def moved(self) -> list[str]:
