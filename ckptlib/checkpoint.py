@@ -432,7 +432,7 @@ class _Frame:
         if version is None or tensor._version == version:
             return tensor
         self._forget(torch._C._current_graph_task_id())
-        producer = self.keys[holder.index][3]
+        producer = _producer(self.keys[holder.index])
         producer = producer[1] if isinstance(producer, tuple) else producer   # a view's: its base's
         made = f" made by {producer.__name__}" if isinstance(producer, type) else ""
         node = _current_node_name()
@@ -552,7 +552,8 @@ class _Frame:
         back an unfilled buffer. So next to a saved constant the rerun stops at the next pack instead,
         once the op has finished (a dropout mask, saved after its op ran, costs the ops up to that pack).
         """
-        return self.keys[index][3] is guards.CONSTANT or (index > 0 and self.keys[index - 1][3] is guards.CONSTANT)
+        return _producer(self.keys[index]) is guards.CONSTANT or (
+            index > 0 and _producer(self.keys[index - 1]) is guards.CONSTANT)
 
     def _check_key(self, index: int, tensor: torch.Tensor, rerun_input_ptrs: set[int]) -> None:
         """Refuse a rerun whose ``index``-th saved tensor is not the one the forward saved ``index``-th."""
@@ -674,6 +675,11 @@ _NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 
 def _identity(x):
     return x
+
+
+def _producer(key: tuple) -> Any:
+    """The producer in a saved tensor's key (``guards.saved_key``); ``None`` in a key without one."""
+    return key[3] if len(key) > 3 else None
 
 
 def _rerun_input(tensor: torch.Tensor) -> torch.Tensor:
