@@ -275,10 +275,10 @@ class NotReplayedRandomWarning(UserWarning):
     recomputation does not replay."""
 
 
-# The code objects (and module classes) checked so far. A plain set, not a WeakSet: a membership test
-# runs at every checkpoint call, and a WeakSet's costs a microsecond; the set grows with the program's
-# code, not with its calls.
-_checked_functions: set[Any] = set()
+# id -> the code object (or module class) checked, kept alive so that its id stays its own. Keyed by id:
+# a code object's hash is computed from its whole contents at every lookup, and this runs at every
+# checkpoint call. It grows with the program's code, not with its calls.
+_checked_functions: dict[int, Any] = {}
 
 
 def _code_of(fn: Callable[..., Any]) -> Any:
@@ -310,9 +310,9 @@ class ForeignDraws:
     def first_time(fn: Callable[..., Any]) -> "ForeignDraws | None":
         """A ``ForeignDraws`` taken now, on the first call of ``fn``; ``None`` on later calls."""
         code = _code_of(fn)
-        if code in _checked_functions:
+        if id(code) in _checked_functions:
             return None
-        _checked_functions.add(code)
+        _checked_functions[id(code)] = code
         return ForeignDraws()
 
     def moved(self) -> list[str]:
