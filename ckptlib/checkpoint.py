@@ -24,6 +24,10 @@ forward because the rerun executes the same ops in the same order. The guards
 of a silently wrong gradient: each key is compared at every pack of the rerun,
 and before the rerun the versions of everything the region reads from outside
 (inputs, parameters, captured tensors) are compared with the forward's.
+``ckptlib.rerun_checks`` holds what those keys cannot show: an in-place change of
+a saved tensor inside ``fn``, an input ``fn`` changed itself, a replaced parameter,
+an op that fills a buffer after saving it (early stop waits for it), a transform
+(vmap, forward-mode AD) that ended before backward.
 
 Early stop. The rerun raises ``_StopRecomputation`` from the hook as soon as
 the last holder that backward can still ask for is filled: ops after it would
@@ -81,11 +85,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ckptlib import guards, rng
+from ckptlib import guards, rerun_checks, rng
 from ckptlib._arguments import check_not_reentrant, flags, got
 from ckptlib.guards import StateUpdatedTwiceWarning
 from ckptlib.rng import NotReplayedRandomWarning
@@ -264,7 +267,7 @@ class _Frame:
         self.autocast = _autocast_state()
         self.early_stop = early_stop
         self.check_keys = check_keys           # determinism_check="default"; "none" compares no keys
-        self.transforms = _transform_levels()  # forward-mode AD and torch.func levels the forward ran under
+        self.transforms = rerun_checks.transform_levels()  # forward-mode AD and torch.func levels the forward ran under
         self.inputs_modified_by_fn: str | None = None
         # context_fn was called once: its two contexts may share state (selective checkpointing's
         # cache), and the recompute context is entered again for every rerun.
@@ -312,7 +315,7 @@ class _Frame:
         leaf = tensor if tensor.is_leaf else base if base is not None and base.is_leaf else None
         if leaf is not None:   # its version is checked before a rerun (one made inside dies first: skipped)
             self.reads.add_saved_leaf(leaf)
-            if ptr and leaf.requires_grad:   # the rerun must save this very parameter (see _replaced_leaf)
+            if ptr and leaf.requires_grad:   # the rerun must save this very parameter (rerun_checks.replaced_parameter)
                 self.leaf_ptrs[len(self.weak_holders)] = ptr
         holder = _Holder(self, len(self.weak_holders), self._frees_memory(leaf, ptr))
         self.weak_holders.append(weakref.ref(holder))
@@ -346,7 +349,7 @@ class _Frame:
 
     def forward_done(self, rng_use: rng.in_use | None, output: Any) -> None:
         self.op_names = None
-        self._note_inputs_modified_by_fn()
+        self.inputs_modified_by_fn = rerun_checks.input_modified_by_fn(self.reads.inputs)
         self.reads.after_forward()
         if rng_use is not None:
             self.rng_after = rng.capture_devices(self.rng_state.cuda_devices)
@@ -356,21 +359,6 @@ class _Frame:
             self.saved_inputs = None
         if self.tracing:
             self._emit_forward_done(output)
-
-    def _note_inputs_modified_by_fn(self) -> None:
-        """An input whose version moved during the forward was changed by ``fn`` itself (``u.mul_(2)``):
-        the values the rerun would start from are gone, so backward refuses with this message."""
-        for position, (ref, version) in enumerate(self.reads.inputs):
-            tensor = ref()
-            if tensor is not None and tensor._version != version:
-                self.inputs_modified_by_fn = (
-                    f"the checkpointed function itself modified its input tensor #{position} "
-                    f"({TensorMeta.of(tensor)}) in place during the forward pass (version {version} -> "
-                    f"{tensor._version}), so the values the forward started from are gone and the "
-                    "recomputation cannot start from them (plain autograd runs this, as it keeps every "
-                    "activation). Make the function leave its inputs alone: u = u * 2 instead of "
-                    "u.mul_(2), or u = u.clone() as its first line.")
-                return
 
     def _emit_forward_done(self, output: Any) -> None:
         # A dropped tensor the region also returns (ReLU's output: the next block's input) stays
@@ -432,17 +420,8 @@ class _Frame:
         if version is None or tensor._version == version:
             return tensor
         self._forget(torch._C._current_graph_task_id())
-        producer = _producer(self.keys[holder.index])
-        producer = producer[1] if isinstance(producer, tuple) else producer   # a view's: its base's
-        made = f" made by {producer.__name__}" if isinstance(producer, type) else ""
-        node = _current_node_name()
-        raise CheckpointError(
-            f"checkpoint {self.region}: saved tensor #{holder.index} ({self.meta(holder.index)}){made} was "
-            f"modified by an in-place operation inside the checkpointed function after an op saved it "
-            f"(version {version} -> {tensor._version}), so {node or 'backward'} would get the changed values. "
-            "Plain autograd raises here too (\"one of the variables needed for gradient computation has been "
-            "modified by an inplace operation\"). Use the out-of-place form of the op that changed it "
-            "(h = h * 3 instead of h.mul_(3)), or clone the tensor before changing it.")
+        raise CheckpointError(f"checkpoint {self.region}: " + rerun_checks.modified_in_place(
+            holder.index, self.keys[holder.index], version, tensor._version, _current_node_name()))
 
     def recompute(self, graph_task: int, trigger: int) -> None:
         if self.inputs_modified_by_fn is not None:
@@ -513,7 +492,7 @@ class _Frame:
                 # parameter, a buffer): a recompute context may put a buffer back after the rerun.
                 holder.recomputed[graph_task] = (detached, detached._version if holder.frees_memory else None)
             if self.early_stop and index == last_needed:
-                if self._may_be_filled_later(index):
+                if rerun_checks.may_be_filled_later(self.keys, index):
                     stop_at_next_pack = True
                 else:
                     stop(index)
@@ -532,7 +511,7 @@ class _Frame:
             # interpreter re-raises it as a RuntimeError): once stopped, every needed holder is filled.
             if not stopped:
                 self._forget(graph_task)
-                lost = self._lost_transform()
+                lost = rerun_checks.lost_transform(self.transforms)
                 if lost is not None and not isinstance(error, CheckpointError):
                     raise CheckpointError(f"checkpoint {self.region}: {lost}") from error
                 raise
@@ -544,17 +523,6 @@ class _Frame:
                 f"the recomputation saved fewer tensors than the forward pass did (forward saved "
                 f"{len(self.keys)}, recomputation {saved}). {self._mismatch_causes()}")))
 
-    def _may_be_filled_later(self, index: int) -> bool:
-        """Could the op that saved tensor ``index`` still write into a tensor it saved?
-
-        An op saves its inputs before it runs. ``rrelu`` saves its ``noise`` buffer (made inside, no
-        grad: a constant) and its input, then fills the buffer: an early stop at either save would hand
-        back an unfilled buffer. So next to a saved constant the rerun stops at the next pack instead,
-        once the op has finished (a dropout mask, saved after its op ran, costs the ops up to that pack).
-        """
-        return _producer(self.keys[index]) is guards.CONSTANT or (
-            index > 0 and _producer(self.keys[index - 1]) is guards.CONSTANT)
-
     def _check_key(self, index: int, tensor: torch.Tensor, rerun_input_ptrs: set[int]) -> None:
         """Refuse a rerun whose ``index``-th saved tensor is not the one the forward saved ``index``-th."""
         ptr = guards.storage_ptr(tensor)
@@ -564,53 +532,25 @@ class _Frame:
             if tensor.device.type == "meta" and self.keys[index][2].type != "meta" and again is not None \
                     and again():
                 raise RecomputeAgain   # a result the context skipped was needed after all
-            lost = self._lost_transform()
+            lost = rerun_checks.lost_transform(self.transforms)
             raise CheckpointError(f"checkpoint {self.region}: " + (
                 lost or guards.key_mismatch(index, self.keys[index], key)))
         forward_ptr = self.leaf_ptrs.get(index)
         if forward_ptr is not None and ptr != forward_ptr:
-            raise CheckpointError(f"checkpoint {self.region}: {self._replaced_leaf(index)}")
-
-    def _replaced_leaf(self, index: int) -> str:
-        return (f"saved tensor #{index} ({self.meta(index)}) was a parameter (a leaf that requires grad) "
-                "in the forward pass, and the recomputation saved another tensor of the same shape in its "
-                "place: the parameter was replaced between forward and backward, e.g. by "
-                "torch.func.functional_call (it swaps a module's parameters only while its call runs) or by "
-                "`module.weight = nn.Parameter(...)`. The rerun would compute with the current parameters "
-                "and give wrong gradients. Pass the parameters into the checkpointed function instead "
-                "(checkpoint(lambda x, params: functional_call(model, params, (x,)), x, params)), or do "
-                "not replace them before backward. (A leaf that the function itself makes with "
-                "requires_grad=True is another tensor at every run: make it outside and pass it in.)")
+            raise CheckpointError(f"checkpoint {self.region}: {rerun_checks.replaced_parameter(index, self.meta(index))}")
 
     def _mismatch_causes(self) -> str:
-        return self._lost_transform() or guards.MISMATCH_CAUSES
-
-    def _lost_transform(self) -> str | None:
-        """The real cause when a rerun fails because the forward's autograd transform is gone."""
-        forward_level, functorch_level = self.transforms
-        now_forward_level, now_functorch_level = _transform_levels()
-        if functorch_level is not None and now_functorch_level != functorch_level:
-            return ("the forward ran inside a torch.func transform (vmap, grad, jacrev, ...) and this "
-                    "backward runs outside it, so the recomputation cannot rebuild the batched or wrapped "
-                    "tensors the forward saved (and torch.func.grad, vjp and jacrev refuse saved-tensor hooks, "
-                    "so the gradient cannot be taken inside either). Checkpoint outside the transform, "
-                    "e.g. around the vmapped call, or do not checkpoint a function that runs under it.")
-        if forward_level >= 0 and now_forward_level != forward_level:
-            return ("the forward ran inside forward-mode AD (torch.autograd.forward_ad.dual_level) and this "
-                    "backward runs after that level was exited, so the recomputation runs without the dual "
-                    "tensors' tangents and saves other tensors than the forward did. Call backward inside "
-                    "the `with dual_level():` block, or checkpoint outside forward-mode AD.")
-        return None
+        return rerun_checks.lost_transform(self.transforms) or guards.MISMATCH_CAUSES
 
     def _rerun(self, rerun_input_ptrs: set[int], rng_uses: list[rng.in_use]) -> None:
-        inputs = [_rerun_input(t) if t.requires_grad else t for t in self.saved_inputs()]
+        inputs = [rerun_checks.rerun_input(t) if t.requires_grad else t for t in self.saved_inputs()]
         rerun_input_ptrs.update(guards.input_ptrs(inputs))
         leaves = self._leaves_with(inputs)
         args, kwargs = tree_unflatten(leaves, self.spec) if self.spec is not None else (leaves, {})
         rng_context = rng.replay(self.rng_state) if self.rng_state is not None else contextlib.nullcontext()
         _thread_state.recompute_depth += 1
         try:
-            with rng_context as rng_use, torch.enable_grad(), _outside_inference_mode(), _autocast(self.autocast), \
+            with rng_context as rng_use, torch.enable_grad(), rerun_checks.outside_inference_mode(), _autocast(self.autocast), \
                     self.recompute_context:
                 if rng_use is not None:
                     rng_uses.append(rng_use)
@@ -675,36 +615,6 @@ _NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 
 def _identity(x):
     return x
-
-
-def _producer(key: tuple) -> Any:
-    """The producer in a saved tensor's key (``guards.saved_key``); ``None`` in a key without one."""
-    return key[3] if len(key) > 3 else None
-
-
-def _rerun_input(tensor: torch.Tensor) -> torch.Tensor:
-    """An input for the rerun, detached from the forward's graph: a hook that fn registers on its input
-    (``u.register_hook``) would otherwise be registered on the forward graph's node a second time, and
-    fire twice in backward. Under forward-mode AD it keeps its tangent."""
-    detached = tensor.detach().requires_grad_()
-    if forward_ad._current_level >= 0:
-        tangent = forward_ad.unpack_dual(tensor).tangent
-        if tangent is not None:
-            return forward_ad.make_dual(detached, tangent)
-    return detached
-
-
-def _transform_levels() -> tuple[int, int | None]:
-    """(forward-mode AD level, -1 outside; innermost torch.func level, ``None`` outside)."""
-    return forward_ad._current_level, torch._C._functorch.maybe_current_level()
-
-
-def _outside_inference_mode() -> ContextManager:
-    # A backward under torch.inference_mode() is legal; the rerun must still record a graph.
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING
-
-
-_NOTHING = contextlib.nullcontext()   # stateless: one for every call
 
 
 def _current_node_name() -> str | None:
