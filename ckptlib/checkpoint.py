@@ -24,6 +24,10 @@ forward because the rerun executes the same ops in the same order. The guards
 of a silently wrong gradient: each key is compared at every pack of the rerun,
 and before the rerun the versions of everything the region reads from outside
 (inputs, parameters, captured tensors) are compared with the forward's.
+``ckptlib.rerun_checks`` holds what those keys cannot show: an in-place change of
+a saved tensor inside ``fn``, an input ``fn`` changed itself, a replaced parameter,
+an op that fills a buffer after saving it (early stop waits for it), a transform
+(vmap, forward-mode AD) that ended before backward.
 
 Early stop. The rerun raises ``_StopRecomputation`` from the hook as soon as
 the last holder that backward can still ask for is filled: ops after it would
@@ -74,6 +78,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -83,14 +88,15 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ckptlib import guards, rng
-from ckptlib._arguments import check_not_reentrant, flags
+from ckptlib import guards, rerun_checks, rng
+from ckptlib._arguments import check_not_reentrant, flags, got
 from ckptlib.guards import StateUpdatedTwiceWarning
+from ckptlib.rng import NotReplayedRandomWarning
 from ckptlib.trace import CheckpointTrace, OpNames, TensorMeta, TraceEvent, publish, record_trace, tracing_active
 
 __all__ = [
     "checkpoint", "CheckpointError", "RecomputeAgain", "CheckpointTrace", "TraceEvent", "TensorMeta", "PackedInfo",
-    "StateUpdatedTwiceWarning", "record_trace", "peek_saved", "is_recomputing",
+    "StateUpdatedTwiceWarning", "NotReplayedRandomWarning", "record_trace", "peek_saved", "is_recomputing",
 ]
 
 
@@ -240,7 +246,8 @@ def _is_size(value: Any) -> bool:
 class _Frame:
     """Everything one ``checkpoint`` call needs to rerun its function later."""
 
-    def __init__(self, fn, args, kwargs, preserve_rng_state, early_stop, contexts, debug) -> None:
+    def __init__(self, fn, args, kwargs, preserve_rng_state, early_stop, contexts, debug,
+                 check_keys=True) -> None:
         self.fn = fn
         self.region_number = next(_region_counter)
         if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
@@ -253,11 +260,15 @@ class _Frame:
         self.reads = guards.OutsideReads(fn, tensors)
         self.saved_inputs: Callable[[], list[torch.Tensor]] | None = _save_inputs(tensors)
         self.input_ptrs = guards.input_ptrs(tensors)  # saved tensors sharing these free nothing
-        self.rng_state = rng.capture(tensors) if preserve_rng_state else None
+        self.rng_state = rng.capture(tensors, rng.generators_reachable(
+            fn, self.other_leaves if self.spec is not None else ())) if preserve_rng_state else None
         self.rng_after: rng.RNGState | None = None
         self.rng_overlap: set = set()   # generators another thread's checkpoint used during forward
         self.autocast = _autocast_state()
         self.early_stop = early_stop
+        self.check_keys = check_keys           # determinism_check="default"; "none" compares no keys
+        self.transforms = rerun_checks.transform_levels()  # forward-mode AD and torch.func levels the forward ran under
+        self.inputs_modified_by_fn: str | None = None
         # context_fn was called once: its two contexts may share state (selective checkpointing's
         # cache), and the recompute context is entered again for every rerun.
         self.forward_context, self.recompute_context = contexts
@@ -266,6 +277,7 @@ class _Frame:
         self.debug = debug
         self.weak_holders: list[weakref.ReferenceType[_Holder]] = []
         self.keys: list[tuple] = []  # guards.saved_key of each saved tensor, in pack order
+        self.leaf_ptrs: dict[int, int] = {}  # index -> storage of a saved leaf that requires grad (a parameter)
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
         self.op_names = OpNames() if self.tracing else None
@@ -300,6 +312,8 @@ class _Frame:
         leaf = tensor if tensor.is_leaf else base if base is not None and base.is_leaf else None
         if leaf is not None:   # its version is checked before a rerun (one made inside dies first: skipped)
             self.reads.add_saved_leaf(leaf)
+            if ptr and leaf.requires_grad:   # the rerun must save this very parameter (rerun_checks.replaced_parameter)
+                self.leaf_ptrs[len(self.weak_holders)] = ptr
         holder = _Holder(self, len(self.weak_holders), self._frees_memory(leaf, ptr))
         self.weak_holders.append(weakref.ref(holder))
         self.keys.append(guards.saved_key(tensor, ptr, self.input_ptrs))
@@ -332,6 +346,7 @@ class _Frame:
 
     def forward_done(self, rng_use: rng.in_use | None, output: Any) -> None:
         self.op_names = None
+        self.inputs_modified_by_fn = rerun_checks.input_modified_by_fn(self.reads.inputs)
         self.reads.after_forward()
         if rng_use is not None:
             self.rng_after = rng.capture_devices(self.rng_state.cuda_devices)
@@ -367,6 +382,8 @@ class _Frame:
         if graph_task not in self.recomputed_in:
             self.recompute(graph_task, trigger=holder.index)
         value = holder.recomputed.get(graph_task, _USED)
+        if value is not _USED:
+            value = self._unmodified(holder, *value)
         if value is _USED:
             raise CheckpointError(
                 f"checkpoint {self.region}: saved tensor #{holder.index} "
@@ -386,11 +403,26 @@ class _Frame:
         key = -next(_outside_backward_keys)  # negative: never a real graph task id
         try:
             self.recompute(key, trigger=holder.index)
-            return holder.recomputed[key]
+            return self._unmodified(holder, *holder.recomputed[key])
         finally:
             self._forget(key)
 
+    def _unmodified(self, holder: _Holder, tensor: torch.Tensor, version: int | None) -> torch.Tensor:
+        """``tensor``, recomputed at ``version``, unless an in-place op of the rerun changed it since.
+
+        Saved-tensor hooks switch off autograd's own check (a saved tensor's version at its save
+        against its version at its use), and a recomputed tensor is a detached alias of the rerun's
+        tensor: ``h = a.exp(); h.mul_(3)`` changes it after ``exp`` saved it. Plain autograd raises there.
+        """
+        if version is None or tensor._version == version:
+            return tensor
+        self._forget(torch._C._current_graph_task_id())
+        raise CheckpointError(f"checkpoint {self.region}: " + rerun_checks.modified_in_place(
+            holder.index, self.keys[holder.index], version, tensor._version, _current_node_name()))
+
     def recompute(self, graph_task: int, trigger: int) -> None:
+        if self.inputs_modified_by_fn is not None:
+            raise CheckpointError(f"checkpoint {self.region}: {self.inputs_modified_by_fn}")
         changed = self.reads.changed()
         if changed is not None:
             raise CheckpointError(f"checkpoint {self.region}: {changed}")
@@ -418,8 +450,21 @@ class _Frame:
         counter = itertools.count()
         rerun_input_ptrs: set[int] = set()   # filled by _rerun once it has the inputs back
         rng_uses: list[rng.in_use] = []
+        stop_at_next_pack = False   # the last needed tensor is an op's buffer, filled after its save
+        stopped = False             # _StopRecomputation was raised (it may come out wrapped, see below)
+
+        def stop(index: int) -> None:
+            nonlocal stopped
+            if index + 1 < len(self.keys):
+                self.emit("early_stop", index, detail=f"all needed tensors back; skipped "
+                          f"{len(self.keys) - index - 1} later saves")
+            stopped = True
+            raise _StopRecomputation
 
         def pack_recomputed(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal stop_at_next_pack
+            if stop_at_next_pack:
+                stop(last_needed)
             index = next(counter)
             if not tensor.requires_grad:
                 detached = tensor
@@ -434,24 +479,20 @@ class _Frame:
                 raise CheckpointError(
                     f"checkpoint {self.region}: the recomputation saved more tensors than the "
                     f"forward pass did (forward saved {len(self.keys)}; extra tensor #{index}: "
-                    f"{TensorMeta.of(tensor)}). {guards.MISMATCH_CAUSES}"
+                    f"{TensorMeta.of(tensor)}). {self._mismatch_causes()}"
                 )
-            key = guards.saved_key(tensor, guards.storage_ptr(tensor), rerun_input_ptrs)
-            if key != self.keys[index]:
-                again = getattr(self.recompute_context, "recompute_again", None)  # extension point
-                if tensor.device.type == "meta" and self.keys[index][2].type != "meta" and again is not None \
-                        and again():
-                    raise RecomputeAgain   # a result the context skipped was needed after all
-                raise CheckpointError(f"checkpoint {self.region}: "
-                                      f"{guards.key_mismatch(index, self.keys[index], key)}")
+            if self.check_keys:
+                self._check_key(index, tensor, rerun_input_ptrs)
             holder = self.weak_holders[index]()
             if holder is not None:
-                holder.recomputed[graph_task] = detached
+                # Its version now, for _unmodified. Not for what lives on outside the region (an input, a
+                # parameter, a buffer): a recompute context may put a buffer back after the rerun.
+                holder.recomputed[graph_task] = (detached, detached._version if holder.frees_memory else None)
             if self.early_stop and index == last_needed:
-                if index + 1 < len(self.keys):
-                    self.emit("early_stop", index, detail=f"all needed tensors back; skipped "
-                              f"{len(self.keys) - index - 1} later saves")
-                raise _StopRecomputation
+                if rerun_checks.may_be_filled_later(self.keys, index):
+                    stop_at_next_pack = True
+                else:
+                    stop(index)
             return detached
 
         try:
@@ -462,26 +503,52 @@ class _Frame:
             pass
         except RecomputeAgain:
             raise          # the holders filled so far are filled again by the next run
-        except BaseException:
-            self._forget(graph_task)
-            raise
+        except BaseException as error:
+            # Code between the hook and here may wrap the early stop in its own exception (TorchScript's
+            # interpreter re-raises it as a RuntimeError): once stopped, every needed holder is filled.
+            if not stopped:
+                self._forget(graph_task)
+                lost = rerun_checks.lost_transform(self.transforms)
+                if lost is not None and not isinstance(error, CheckpointError):
+                    raise CheckpointError(f"checkpoint {self.region}: {lost}") from error
+                raise
         shared = self._generators_shared(rng_uses)
         saved = next(counter)
         if shared or saved <= last_needed:
             self._forget(graph_task)
             raise CheckpointError(f"checkpoint {self.region}: " + (shared or (
                 f"the recomputation saved fewer tensors than the forward pass did (forward saved "
-                f"{len(self.keys)}, recomputation {saved}). {guards.MISMATCH_CAUSES}")))
+                f"{len(self.keys)}, recomputation {saved}). {self._mismatch_causes()}")))
+
+    def _check_key(self, index: int, tensor: torch.Tensor, rerun_input_ptrs: set[int]) -> None:
+        """Refuse a rerun whose ``index``-th saved tensor is not the one the forward saved ``index``-th."""
+        ptr = guards.storage_ptr(tensor)
+        key = guards.saved_key(tensor, ptr, rerun_input_ptrs)
+        if key != self.keys[index]:
+            again = getattr(self.recompute_context, "recompute_again", None)  # extension point
+            if tensor.device.type == "meta" and self.keys[index][2].type != "meta" and again is not None \
+                    and again():
+                raise RecomputeAgain   # a result the context skipped was needed after all
+            lost = rerun_checks.lost_transform(self.transforms)
+            raise CheckpointError(f"checkpoint {self.region}: " + (
+                lost or guards.key_mismatch(index, self.keys[index], key)))
+        forward_ptr = self.leaf_ptrs.get(index)
+        if forward_ptr is not None and ptr != forward_ptr:
+            raise CheckpointError(f"checkpoint {self.region}: {rerun_checks.replaced_parameter(index, self.meta(index))}")
+
+    def _mismatch_causes(self) -> str:
+        return rerun_checks.lost_transform(self.transforms) or guards.MISMATCH_CAUSES
 
     def _rerun(self, rerun_input_ptrs: set[int], rng_uses: list[rng.in_use]) -> None:
-        inputs = self.saved_inputs()
+        inputs = [rerun_checks.rerun_input(t) if t.requires_grad else t for t in self.saved_inputs()]
         rerun_input_ptrs.update(guards.input_ptrs(inputs))
         leaves = self._leaves_with(inputs)
         args, kwargs = tree_unflatten(leaves, self.spec) if self.spec is not None else (leaves, {})
         rng_context = rng.replay(self.rng_state) if self.rng_state is not None else contextlib.nullcontext()
         _thread_state.recompute_depth += 1
         try:
-            with rng_context as rng_use, torch.enable_grad(), _autocast(self.autocast), self.recompute_context:
+            with rng_context as rng_use, torch.enable_grad(), rerun_checks.outside_inference_mode(), _autocast(self.autocast), \
+                    self.recompute_context:
                 if rng_use is not None:
                     rng_uses.append(rng_use)
                 self.fn(*args, **kwargs)
@@ -578,12 +645,20 @@ def _autocast(state) -> ContextManager:
 # ---------------------------------------------------------------------------
 
 
-def _check_arguments(fn: Any, flag_values: dict[str, Any], context_fn: Any, use_reentrant: Any) -> None:
+_DETERMINISM_CHECKS = ("default", "none")   # torch.utils.checkpoint's two
+
+
+def _check_arguments(fn: Any, flag_values: dict[str, Any], context_fn: Any, use_reentrant: Any,
+                     determinism_check: Any) -> None:
     """Refuse bad arguments at the call, before anything runs."""
     if not callable(fn):
         raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
                         "Pass the function or module itself, e.g. checkpoint(block, x).")
     flags("checkpoint", **flag_values)
+    if not isinstance(determinism_check, str) or determinism_check not in _DETERMINISM_CHECKS:
+        raise (ValueError if isinstance(determinism_check, str) else TypeError)(
+            f"checkpoint: determinism_check must be 'default' (compare every saved tensor of the "
+            f"recomputation with the forward's) or 'none' (compare none), {got(determinism_check)}.")
     check_not_reentrant("checkpoint", use_reentrant, "torch.utils.checkpoint for the reentrant variant")
     if context_fn is not None and not callable(context_fn):
         raise TypeError(f"checkpoint: context_fn must be None or a function returning two context managers "
@@ -611,6 +686,7 @@ def checkpoint(
     debug: bool = False,
     context_fn: Callable[[], tuple[ContextManager, ContextManager]] | None = None,
     use_reentrant: bool | None = None,
+    determinism_check: str = "default",
     **kwargs: Any,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute them in backward.
@@ -621,12 +697,26 @@ def checkpoint(
             sizes; its return value is passed back untouched.
         preserve_rng_state: replay the CPU (and initialised CUDA) RNG state during
             recomputation so dropout draws the same mask. The caller's RNG stream is
-            never moved by the recomputation.
-        early_stop: stop the recomputation as soon as every needed tensor is back.
+            never moved by the recomputation. A ``torch.Generator`` of the caller's
+            (``torch.rand(..., generator=g)``) is replayed too where the checkpoint can
+            find it: among the arguments, in ``fn``'s closure or defaults, as a global name
+            its code reads, in a ``functools.partial``'s arguments, or as an attribute of a
+            module ``fn`` is, is bound to or closes over, and of its submodules. One reached
+            any other way (an attribute of a plain object, of a module that is a global) is
+            not replayed, silently: pass it as an argument. Python's ``random`` and
+            NumPy are never replayed; the first call of each function warns
+            (``NotReplayedRandomWarning``) if it drew from them.
+        early_stop: stop the recomputation as soon as every needed tensor is back
+            (``torch.utils.checkpoint.set_checkpoint_early_stop`` overrides it, as in torch).
         debug: print a trace line for each pack, recompute, early stop and unpack.
         context_fn: returns ``(forward_context, recompute_context)`` to run ``fn``
             under in forward and in recomputation (as in ``torch.utils.checkpoint``).
         use_reentrant: accepted for drop-in compatibility; only ``False``/``None``.
+        determinism_check: ``"default"`` compares each saved tensor of the recomputation
+            with the forward's (shape, dtype, device, the kind of op that made it, and that
+            a saved parameter is the same tensor); ``"none"`` compares none, as in torch.
+            Either way an in-place change of a saved tensor inside ``fn`` raises, as in plain
+            autograd.
 
     Gradients equal plain autograd bitwise; under ``torch.no_grad()`` this is a plain
     call. Under ``torch.compile`` it runs eagerly between compiled graphs (see the notes).
@@ -643,19 +733,36 @@ def checkpoint(
     """
     if torch.compiler.is_compiling():   # Dynamo is tracing this call: run it eagerly (see the notes)
         return _checkpoint_outside_dynamo()(fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop,
-                                            debug=debug, context_fn=context_fn, use_reentrant=use_reentrant, **kwargs)
+                                            debug=debug, context_fn=context_fn, use_reentrant=use_reentrant,
+                                            determinism_check=determinism_check, **kwargs)
     _check_arguments(fn, {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop, "debug": debug},
-                     context_fn, use_reentrant)
+                     context_fn, use_reentrant, determinism_check)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
 
-    frame = _Frame(fn, args, kwargs, preserve_rng_state, early_stop, _contexts(context_fn), debug)
+    frame = _Frame(fn, args, kwargs, preserve_rng_state, _torch_early_stop(early_stop), _contexts(context_fn), debug,
+                   check_keys=determinism_check == "default")
     op_names = frame.op_names if frame.op_names is not None else contextlib.nullcontext()
     rng_context = rng.in_use(frame.rng_state) if preserve_rng_state else contextlib.nullcontext()
+    foreign_draws = rng.ForeignDraws.first_time(fn) if preserve_rng_state else None
     cuda_was_up = torch.cuda.is_initialized()
+    returned = False
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), frame.forward_context, op_names, \
             rng_context as rng_use:
-        output = fn(*args, **kwargs)
+        try:
+            output = fn(*args, **kwargs)
+            returned = True
+        except BaseException as error:
+            failure = error   # kept for the message below, should the forward context swallow it
+            raise
+    if not returned:
+        raise RuntimeError(
+            f"checkpoint {frame.region}: the forward context from context_fn suppressed the exception the "
+            f"checkpointed function raised ({type(failure).__name__}: {failure}), so there is no output to "
+            "return. Let the context's __exit__ return None or False (do not swallow exceptions), or catch "
+            "the exception inside the function.") from failure
+    if foreign_draws is not None:
+        foreign_draws.warn_if_moved(frame.region, stacklevel=guards._caller_stacklevel() + 1)
     if preserve_rng_state and not cuda_was_up and torch.cuda.is_initialized():
         raise CheckpointError(
             f"checkpoint {frame.region}: CUDA was initialised inside the checkpointed function, so "
@@ -665,6 +772,13 @@ def checkpoint(
         )
     frame.forward_done(rng_use, output)
     return output
+
+
+def _torch_early_stop(early_stop: bool) -> bool:
+    """``early_stop``, unless ``torch.utils.checkpoint.set_checkpoint_early_stop(...)`` is active (torch's meaning)."""
+    torch_checkpoint = sys.modules.get("torch.utils.checkpoint")
+    override = getattr(torch_checkpoint, "_enable_checkpoint_early_stop", None)
+    return early_stop if override is None else override
 
 
 # torch.compile: ``checkpoint`` must run eagerly, never traced (see the notes). Decorating it with

@@ -18,6 +18,20 @@ same time (``in_use.overlapped``) and refuse, instead of giving wrong gradients
 (``torch.utils.checkpoint`` is silent there). Draws by code outside any checkpoint
 (plain dropout in another thread) do not register and cannot be seen.
 
+The caller's own generators. ``torch.rand(..., generator=g)`` draws from ``g``, not from
+the global generator. A checkpoint replays such a generator too when it can find it:
+:func:`generators_reachable` looks where the region's code can get one from (its arguments,
+the closure, defaults and the global names of a function, a ``functools.partial``'s
+arguments, a bound module's attributes and its submodules'). A generator reached any other
+way (an attribute of a plain object, a container nested deeper) is not replayed: the rerun
+draws other numbers, silently (``torch.utils.checkpoint`` replays no caller generator at all).
+
+Python's ``random`` and NumPy. Their generators are not torch's and are not replayed:
+reading their state costs tens of microseconds (``random.getstate()`` copies 625 numbers),
+too much for every call. :class:`ForeignDraws` compares it before and after the forward of
+each function the first time it is checkpointed, and warns (:class:`NotReplayedRandomWarning`)
+if it moved: the rerun will draw other numbers.
+
 >>> import torch
 >>> state = capture([])
 >>> a = torch.rand(2)
@@ -29,12 +43,18 @@ True
 from __future__ import annotations
 
 import contextlib
+import functools
+import random
+import sys
 import threading
+import types
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn as nn
 
 
 @dataclass(slots=True)    # not frozen: a frozen dataclass is slower to make, and two are made per call
@@ -44,6 +64,7 @@ class RNGState:
     cpu: torch.Tensor
     cuda_devices: tuple[int, ...] = ()
     cuda_states: tuple[torch.Tensor, ...] = field(default=())
+    caller_generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()   # (generator, its state)
 
     @property
     def generators(self) -> frozenset:
@@ -69,22 +90,24 @@ def cuda_devices_of(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
     return tuple(sorted(devices))
 
 
-def capture(tensors: Iterable[torch.Tensor]) -> RNGState:
+def capture(tensors: Iterable[torch.Tensor], generators: Iterable[torch.Generator] = ()) -> RNGState:
     """Snapshot the CPU generator and, when CUDA is initialised, the generators of
-    the CUDA devices that ``tensors`` live on (plus the current device)."""
+    the CUDA devices that ``tensors`` live on (plus the current device); also the
+    caller's own ``generators`` (see :func:`generators_reachable`)."""
     tensors = list(tensors) if isinstance(tensors, Iterable) and not isinstance(tensors, torch.Tensor) else None
     if tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError("capture: tensors must be a list (or other iterable) of tensors, e.g. the "
                         "region's inputs; pass [] to capture the CPU generator only.")
-    return capture_devices(cuda_devices_of(tensors))
+    return capture_devices(cuda_devices_of(tensors), generators)
 
 
-def capture_devices(cuda_devices: tuple[int, ...]) -> RNGState:
-    """Snapshot the CPU generator and those of ``cuda_devices``."""
+def capture_devices(cuda_devices: tuple[int, ...], generators: Iterable[torch.Generator] = ()) -> RNGState:
+    """Snapshot the CPU generator, those of ``cuda_devices`` and the caller's ``generators``."""
     return RNGState(
         cpu=torch.get_rng_state(),
         cuda_devices=cuda_devices,
         cuda_states=tuple(torch.cuda.get_rng_state(d) for d in cuda_devices),
+        caller_generators=tuple((g, g.get_state()) for g in generators),
     )
 
 
@@ -96,11 +119,105 @@ def replay(state: RNGState) -> Iterator["in_use"]:
     """
     if not isinstance(state, RNGState):
         raise TypeError(f"replay: state must be an RNGState from rng.capture(...), got {type(state).__name__}.")
-    with torch.random.fork_rng(devices=list(state.cuda_devices), enabled=True), in_use(state) as use:
+    callers = _replay_caller_generators(state.caller_generators) if state.caller_generators else _NOTHING
+    with torch.random.fork_rng(devices=list(state.cuda_devices), enabled=True), in_use(state) as use, callers:
         torch.set_rng_state(state.cpu)
         for device, device_state in zip(state.cuda_devices, state.cuda_states):
             torch.cuda.set_rng_state(device_state, device)
         yield use
+
+
+_NOTHING = contextlib.nullcontext()   # stateless: one for every call
+
+
+@contextlib.contextmanager
+def _replay_caller_generators(saved: tuple[tuple[torch.Generator, torch.Tensor], ...]) -> Iterator[None]:
+    """``fork_rng`` for the caller's own generators: set each to its saved state, put it back after."""
+    current = [(generator, generator.get_state()) for generator, _ in saved]
+    try:
+        for generator, state in saved:
+            generator.set_state(state)
+        yield
+    finally:
+        for generator, state in current:
+            generator.set_state(state)
+
+
+def generators_reachable(fn: Callable[..., Any], arguments: Iterable[Any]) -> list[torch.Generator]:
+    """The ``torch.Generator`` objects a region can draw from besides the global ones.
+
+    Looks in ``arguments`` (the region's argument leaves), and from ``fn``: a function's closure
+    cells and defaults, the global names its code reads (a generator there, not a module), a
+    ``functools.partial``'s arguments, a bound method's object, and a module's attributes and its
+    submodules' (torch's own modules hold none: skipped); one level into lists, tuples and dicts.
+    About a microsecond for a function; a module's walk grows with its submodules.
+
+    >>> g = torch.Generator().manual_seed(0)
+    >>> generators_reachable(lambda t: t * torch.rand(2, generator=g), []) == [g]
+    True
+    """
+    found: dict[int, torch.Generator] = {}
+    _add_generators(arguments, found)
+    _visit(fn, found, set(), 0)
+    return list(found.values())
+
+
+def _visit(obj: Any, found: dict[int, torch.Generator], seen: set[int], depth: int) -> None:
+    kind = type(obj)
+    if kind is torch.Generator:
+        found[id(obj)] = obj
+    elif depth > 3 or id(obj) in seen:
+        return
+    elif kind is types.FunctionType:          # the common case first: one check per call
+        seen.add(id(obj))
+        _visit_function(obj, found, seen, depth)
+    elif isinstance(obj, nn.Module):
+        seen.add(id(obj))
+        if not kind.__module__.startswith("torch.nn."):   # torch's own modules keep no generator
+            _add_generators(obj.__dict__.values(), found)
+        for child in obj._modules.values():
+            _visit(child, found, seen, depth)       # submodules: any depth, they are the module's
+    elif kind is functools.partial:
+        seen.add(id(obj))
+        for value in (obj.func, *obj.args, *obj.keywords.values()):
+            _visit(value, found, seen, depth + 1)
+    elif kind is types.MethodType:                  # a bound method
+        _visit(obj.__self__, found, seen, depth + 1)
+        _visit(obj.__func__, found, seen, depth + 1)
+    elif depth > 0 and kind in (list, tuple):
+        _add_generators(obj, found)
+    elif depth > 0 and kind is dict:
+        _add_generators(obj.values(), found)
+
+
+def _visit_function(fn: types.FunctionType, found: dict[int, torch.Generator], seen: set[int], depth: int) -> None:
+    for cell in fn.__closure__ or ():
+        try:
+            _visit(cell.cell_contents, found, seen, depth + 1)
+        except ValueError:      # a cell not filled yet
+            pass
+    if fn.__defaults__:
+        for value in fn.__defaults__:
+            _visit(value, found, seen, depth + 1)
+    if fn.__kwdefaults__:
+        for value in fn.__kwdefaults__.values():
+            _visit(value, found, seen, depth + 1)
+    # Global names: a generator itself only (a notebook's global `g`). Walking a global model at
+    # every call would cost what walking the module costs; checkpoint the module instead.
+    module_globals = fn.__globals__
+    for name in fn.__code__.co_names:
+        value = module_globals.get(name)
+        if type(value) is _GENERATOR:
+            found[id(value)] = value
+
+
+def _add_generators(values: Iterable[Any], found: dict[int, torch.Generator]) -> None:
+    for value in values:
+        if type(value) is _GENERATOR:
+            found[id(value)] = value
+
+
+_GENERATOR = torch.Generator
 
 
 # ---------------------------------------------------------------------------
@@ -146,3 +263,80 @@ def drawn_from(before: RNGState, after: RNGState) -> set:
         if not torch.equal(first, second):
             drawn.add(("cuda", device))
     return drawn
+
+
+# ---------------------------------------------------------------------------
+# Python's random and NumPy: not replayed, warned about
+# ---------------------------------------------------------------------------
+
+
+class NotReplayedRandomWarning(UserWarning):
+    """A checkpointed function drew from Python's ``random`` or NumPy's global generator, which the
+    recomputation does not replay."""
+
+
+# id -> the code object (or module class) checked, kept alive so that its id stays its own. Keyed by id:
+# a code object's hash is computed from its whole contents at every lookup, and this runs at every
+# checkpoint call. It grows with the program's code, not with its calls.
+_checked_functions: dict[int, Any] = {}
+
+
+def _code_of(fn: Callable[..., Any]) -> Any:
+    """What identifies "the same function" across calls: a function's code (a lambda made anew in
+    a loop has one), a bound method's function, otherwise the callable's class (a module)."""
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
+    return code if code is not None else type(fn)
+
+
+def _foreign_states() -> tuple[Any, Any]:
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), numpy.random.get_state()[1:] if numpy is not None else None
+
+
+class ForeignDraws:
+    """The states of Python's ``random`` and NumPy's global generator before a forward; after it,
+    :meth:`warn_if_moved` warns if either moved.
+
+    Made for each function (``_code_of``) once, by :meth:`first_time`: reading both states costs
+    about 60 us, so later calls of the same function are not checked.
+    """
+
+    __slots__ = ("before",)
+
+    def __init__(self) -> None:
+        self.before = _foreign_states()
+
+    @staticmethod
+    def first_time(fn: Callable[..., Any]) -> "ForeignDraws | None":
+        """A ``ForeignDraws`` taken now, on the first call of ``fn``; ``None`` on later calls."""
+        code = _code_of(fn)
+        if id(code) in _checked_functions:
+            return None
+        _checked_functions[id(code)] = code
+        return ForeignDraws()
+
+    def moved(self) -> list[str]:
+        """Which of ``random`` and NumPy drew since this was made."""
+        after = _foreign_states()
+        moved = ["Python's `random`"] if after[0] != self.before[0] else []
+        if after[1] is not None and self.before[1] is not None and not _numpy_state_equal(after[1], self.before[1]):
+            moved.append("NumPy's global generator (np.random)")
+        return moved
+
+    def warn_if_moved(self, region: str, stacklevel: int) -> None:
+        moved = self.moved()
+        if moved:
+            warnings.warn(
+                f"checkpoint {region}: the checkpointed function drew random numbers from "
+                f"{' and '.join(moved)} in the forward pass. A checkpoint replays torch's generators in "
+                "the recomputation, not Python's or NumPy's, so the rerun draws other numbers and the "
+                "gradients are wrong wherever the result depends on them (torch.utils.checkpoint does the "
+                "same, silently). Draw with torch instead (torch.rand, torch.randint, torch.randperm: "
+                "replayed), or draw outside the checkpointed function and pass the numbers in. Checked "
+                "on the first call of each function.", NotReplayedRandomWarning, stacklevel=stacklevel)
+
+
+def _numpy_state_equal(first: tuple, second: tuple) -> bool:
+    keys, position, *rest = first
+    other_keys, other_position, *other_rest = second
+    return position == other_position and rest == other_rest and bool((keys == other_keys).all())

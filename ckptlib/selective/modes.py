@@ -25,6 +25,7 @@ collection must hold aten ops, a callable must take ``(op, *args, **kwargs)``.
 from __future__ import annotations
 
 import inspect
+import sys
 from collections import Counter
 from typing import Any, Callable, Collection, Union
 
@@ -33,7 +34,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptlib.checkpoint import CheckpointError, RecomputeAgain
-from ckptlib._arguments import flags, qualname
+from ckptlib._arguments import flags, got, qualname
 from ckptlib.selective.cache import _OpCache, _raise_shape_mismatch, _save
 from ckptlib.selective.opgraph import _from_template, _OpGraph, _Skip
 from ckptlib.selective.ops import (
@@ -54,7 +55,12 @@ def _as_predicate(policy: Policy) -> Callable[[OpOverload, tuple, dict], bool]:
         policy = {policy}
     if callable(policy):
         _check_policy_signature(policy)
-        return lambda func, args, kwargs: bool(policy(func, *args, **kwargs))
+
+        def predicate(func: OpOverload, args: tuple, kwargs: dict) -> bool:
+            decision = policy(func, *args, **kwargs)
+            return decision if decision is True or decision is False else _decision(decision, policy, func)
+
+        return predicate
     if isinstance(policy, (str, bytes)) or not isinstance(policy, Collection):
         raise TypeError(f"policy must be a callable policy(op, *args, **kwargs) -> bool or a collection "
                         f"of aten ops such as {{torch.ops.aten.mm.default}}, got {type(policy).__name__}.")
@@ -65,6 +71,31 @@ def _as_predicate(policy: Policy) -> Callable[[OpOverload, tuple, dict], bool]:
                             "use ops like torch.ops.aten.mm.default or torch.ops.aten.mm (all overloads), "
                             "not torch.mm or strings.")
     return lambda func, args, kwargs: func in ops or func.overloadpacket in ops
+
+
+def _decision(decision: Any, policy: Callable[..., Any], func: OpOverload) -> bool:
+    """A policy's answer that is not ``True`` or ``False``: NumPy's booleans and torch's
+    ``CheckpointPolicy`` (``MUST_SAVE``/``PREFER_SAVE`` keep) mean what they say; anything else
+    (``"yes"``, ``None``, a number) is refused, since Python's truth would read ``"no"`` as keep."""
+    if type(decision).__module__ == "numpy" and type(decision).__name__ in ("bool", "bool_"):   # NumPy 2, 1
+        return bool(decision)
+    torch_checkpoint = sys.modules.get("torch.utils.checkpoint")
+    checkpoint_policy = getattr(torch_checkpoint, "CheckpointPolicy", None)
+    if checkpoint_policy is not None and isinstance(decision, checkpoint_policy):
+        return decision in (checkpoint_policy.MUST_SAVE, checkpoint_policy.PREFER_SAVE)
+    raise _PolicyAnswerError(TypeError(
+        f"policy {qualname(policy)} returned no decision for {func}, {got(decision)}: a policy must return True (keep "
+        "this op's output) or False (recompute it in backward)."))
+
+
+class _PolicyAnswerError(Exception):
+    """Carries the ``TypeError`` about a policy's answer out of the op that asked, to the forward mode's
+    exit, which raises it. (Raised inside ``a @ b``, a ``TypeError`` becomes ``NotImplemented`` and then
+    Python's "unsupported operand type(s) for @".)"""
+
+    def __init__(self, error: TypeError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _check_policy_signature(policy: Callable[..., Any]) -> None:
@@ -144,9 +175,11 @@ class SaveChosenOps(TorchDispatchMode):
             graph.first_node = _next_node_number()
         return super().__enter__()
 
-    def __exit__(self, exc_type, *exc_info):
+    def __exit__(self, exc_type, exc_value, traceback):
         self.cache.finish_forward(completed=exc_type is None)
-        return super().__exit__(exc_type, *exc_info)
+        super().__exit__(exc_type, exc_value, traceback)
+        if isinstance(exc_value, _PolicyAnswerError):
+            raise exc_value.error from None
 
 
 class ReplaySavedOps(TorchDispatchMode):
