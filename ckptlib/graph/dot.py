@@ -93,6 +93,11 @@ class NotebookDigraph(graphviz.Digraph):
     need system Graphviz."""
 
     summary: str = ""
+    # Where each thing is drawn, for a picture that restyles boxes later (the backward stepper):
+    # (node id, saved attribute) -> the id of its box (or of the leaf it is an edge to), and,
+    # with collapse="module", node id -> the id of its module's box.
+    saved_boxes: dict[tuple[str, str], str]
+    module_boxes: dict[str, str]
 
     def __repr__(self) -> str:
         summary = self.summary or f"{sum('->' in line for line in self.body)} edges"
@@ -158,6 +163,7 @@ def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, 
                          "(1: 'blocks', 2: 'blocks.3', ...).")
     flag(legend, "legend", where="to_dot")
     dot = NotebookDigraph(node_attr=_NODE_ATTR)
+    dot.saved_boxes, dot.module_boxes = {}, {}
     if collapse is None:
         used = _draw_nodes(dot, graph, graph.nodes)
     else:
@@ -193,6 +199,8 @@ def _draw_nodes(dot: graphviz.Digraph, graph: AutogradGraph, nodes: list[GraphNo
                 for member in regions[node.region]:
                     boxes.draw(cluster, member)
     for src, dst, saved, to_leaf in boxes.edges:
+        if isinstance(dot, NotebookDigraph):
+            dot.saved_boxes[src, saved.name] = dst
         # An edge to a leaf must not rank it: the leaf stays above the ops that use it.
         extra = {"constraint": "false"} if to_leaf else {}
         if saved.status == "freed":
@@ -296,6 +304,8 @@ def _draw_modules(dot: graphviz.Digraph, graph: AutogradGraph, depth: int) -> li
         else:
             groups.setdefault(".".join(node.module.split(".")[:depth]), []).append(node)
     box_of = {member.id: f"m{number}" for number, members in enumerate(groups.values()) for member in members}
+    if isinstance(dot, NotebookDigraph):
+        dot.module_boxes.update(box_of)
     used = _draw_nodes(dot, graph, loose)
     saved_bytes = _charged_bytes(loose, groups)
     for number, (path, members) in enumerate(groups.items()):
