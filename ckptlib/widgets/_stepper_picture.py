@@ -52,7 +52,7 @@ _MOST_ALIVE_FIRST = ("saved", "recomputed", "dropped", "released", NOT_YET)
 _PALE_TEXT, _PALE_LINE, _PALE_FILL = "#B4B4B4", "#D6D6D6", "#F7F7F7"
 # The two windows (graph points): the whole width on a wide page, a narrow one below
 # NARROW_BELOW_PX of notebook width; each as tall as WINDOW_ASPECT of its width.
-NARROW_WINDOW_PT, NARROW_BELOW_PX, WINDOW_ASPECT = 500.0, 860, 0.58
+NARROW_WINDOW_PT, NARROW_BELOW_PX, WINDOW_ASPECT = 500.0, 760, 0.5
 _GROUP = re.compile(r'<g id="[^"]*" class="(node|edge)">\n<title>([^<]*)</title>\n(.*?)</g>', re.S)
 _TRANSLATE = re.compile(r'<g id="graph0" class="graph" transform="scale\(1 1\) rotate\(0\) translate\(([-\d.]+) ([-\d.]+)\)"')
 _NUMBERS = re.compile(r"-?\d+(?:\.\d+)?")
@@ -109,6 +109,8 @@ class StepPicture:
         shift = _TRANSLATE.search(svg)
         tx, ty = (float(shift[1]), float(shift[2])) if shift else (0.0, 0.0)
         self._head = svg[svg.index(">", svg.index("<svg")) + 1:]   # everything after the <svg ...> tag
+        # A checkpoint's region in the palette's colour for recomputation (what it will do).
+        self._head = self._head.replace('stroke="darkorange"', f'stroke="{palette.RECOMPUTE}"')
         self._pieces: list[str | _Element] = []
         position = 0
         self.elements: dict[str, _Element] = {}

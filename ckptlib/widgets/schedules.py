@@ -72,8 +72,8 @@ _PICTURE_KINDS = (("nothing", "white"), ("checkpoint held", palette.SAVED),
                   ("recorded, kept for backward", "#B5DBBE"), ("forward, keep nothing", "#BDBDBD"),
                   ("forward, record", palette.FORWARD), ("backward", palette.BACKWARD))
 CURVE_MAX_CALLS_PER_LAYER = 8
-_PICTURE_PX = (560, 300)    # the schedule picture's size on screen
-_TRADEOFF_PX = (380, 300)   # the trade-off curve's
+_PICTURE_PX = (500, 300)    # the schedule picture's size on screen
+_TRADEOFF_PX = (350, 300)   # the trade-off curve's
 _TEXT = {"family": palette.FONT_FAMILY}
 _PICTURE_COLOURS = ListedColormap([colour for _, colour in _PICTURE_KINDS])
 
@@ -134,7 +134,8 @@ class ScheduleExplorer(WidgetView):
     Attributes:
         n, schedule, parameter: the controls (``IntSlider``, ``Dropdown``, ``IntSlider``).
             ``parameter`` is k for "uniform", s for "revolve", the budget in percent of
-            the plain chain's activations for "budget", disabled for the others.
+            the plain chain's activations for "budget", disabled for the others. A change of
+            its range makes a new slider: read ``explorer.parameter`` afresh, not a saved one.
         result: what the current plan measured and what its theory says: ``"plan"``
             (its name), ``"n"``, ``"schedule"``, ``"parameter"`` (``None`` when unused),
             ``"peak_bytes"`` (the step's peak, measured), ``"forward_calls"`` (counted),
@@ -173,8 +174,7 @@ class ScheduleExplorer(WidgetView):
 
         self.schedule = widgets.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
         self.n = widgets.IntSlider(value=n, min=2, max=max_n, description="n layers", continuous_update=False)
-        self.parameter = widgets.IntSlider(value=1, min=1, max=2, description="parameter", continuous_update=False,
-                                           style={"description_width": "initial"})
+        self.parameter = self._slider(1, 2, 1, 1, "parameter")
         self.readout = widgets.HTML(layout=widgets.Layout(min_width="0"))
         self.message = widgets.HTML(layout=widgets.Layout(min_width="0"))
         # Two pictures side by side on a wide page, one above the other on a narrow one; each drawn
@@ -183,7 +183,7 @@ class ScheduleExplorer(WidgetView):
         self.tradeoff_plot = widgets.Image(format="png", layout=widgets.Layout(
             width="100%", max_width=f"{_TRADEOFF_PX[0]}px"))
         self.plots = widgets.HBox([self.plot, self.tradeoff_plot], layout=widgets.Layout(flex_flow="row wrap"))
-        for name, widget in (("schedule", self.schedule), ("n", self.n), ("parameter", self.parameter),
+        for name, widget in (("schedule", self.schedule), ("n", self.n),
                              ("readout", self.readout), ("message", self.message), ("plot", self.plot),
                              ("tradeoff", self.tradeoff_plot)):
             widget.add_class(f"ckptlib-explorer-{name}")  # stable handles for the browser test
@@ -191,9 +191,8 @@ class ScheduleExplorer(WidgetView):
         self._fit_parameter(default=True)
         self.schedule.observe(lambda _change: self._changed(schedule_changed=True), names="value")
         self.n.observe(lambda _change: self._changed(), names="value")
-        self.parameter.observe(lambda _change: self._changed(), names="value")
-        self.widget = widgets.VBox([widgets.HBox([self.schedule, self.n, self.parameter],
-                                                 layout=widgets.Layout(flex_flow="row wrap")),
+        self.controls = widgets.HBox([self.schedule, self.n, self.parameter], layout=widgets.Layout(flex_flow="row wrap"))
+        self.widget = widgets.VBox([self.controls,
                                     self.message, self.readout, self.plots], layout=widgets.Layout(max_width="1000px"))
         self._figure = Figure(figsize=(_PICTURE_PX[0] / 80, _PICTURE_PX[1] / 80), dpi=80)
         self._tradeoff_figure = Figure(figsize=(_TRADEOFF_PX[0] / 80, _TRADEOFF_PX[1] / 80), dpi=80)
@@ -232,16 +231,28 @@ class ScheduleExplorer(WidgetView):
             name, value = what
             low, high, step = {"k segments": (1, n, 1), "s slots": (1, max(1, n - 1), 1),
                                "budget %": (5, 100, 5)}[name]
-            value = value if default else self.parameter.value
-            # One message to the browser with the final range: the slider's keys (End, Home) then
-            # use the new maximum, not one from before.
-            with self.parameter.hold_sync():
-                self.parameter.min, self.parameter.max = min(low, self.parameter.min), max(high, self.parameter.max)
-                self.parameter.step, self.parameter.value = step, min(max(value, low), high)
-                self.parameter.min, self.parameter.max = low, high
-                self.parameter.disabled, self.parameter.description, self.parameter.readout = False, name, True
+            value = min(max(value if default else self.parameter.value, low), high)
+            if (self.parameter.min, self.parameter.max, self.parameter.step) != (low, high, step):
+                # A new range gets a new slider: the browser's slider keeps its first range for the
+                # End and Home keys (End stopped at the old maximum), however the range is updated.
+                self._replace_parameter(self._slider(low, high, step, value, name))
+            self.parameter.value = value
+            self.parameter.disabled, self.parameter.description, self.parameter.readout = False, name, True
         finally:
             self._adjusting = False
+
+    def _slider(self, low: int, high: int, step: int, value: int, name: str) -> widgets.IntSlider:
+        slider = widgets.IntSlider(value=value, min=low, max=high, step=step, description=name,
+                                   continuous_update=False, style={"description_width": "initial"})
+        slider.add_class("ckptlib-explorer-parameter")   # a stable handle for the browser test
+        slider.observe(lambda _change: self._changed(), names="value")
+        return slider
+
+    def _replace_parameter(self, slider: widgets.IntSlider) -> None:
+        old, self.parameter = self.parameter, slider
+        if hasattr(self, "controls"):
+            self.controls.children = tuple(slider if child is old else child for child in self.controls.children)
+        old.close()
 
     def _changed(self, schedule_changed: bool = False) -> None:
         if self._adjusting:

@@ -44,7 +44,7 @@ __all__ = ["BackwardStepper", "STATES"]
 
 # A saved tensor's state -> the status ckptlib.graph draws it with.
 _GRAPH_STATUS = {"saved": "kept", "dropped": "dropped", "recomputed": "recomputed", "released": "freed"}
-TIMELINE_PX = (340, 170)   # the timeline picture's size on screen (drawn at twice the pixels)
+TIMELINE_PX = (340, 185)   # the timeline picture's size on screen (drawn at twice the pixels)
 _NUMBERS = itertools.count()
 
 
@@ -262,7 +262,7 @@ class BackwardStepper(WidgetView):
 
     def _draw_timeline(self) -> tuple[bytes, tuple[float, float, float, float], tuple[float, float]]:
         figure = Figure(figsize=(TIMELINE_PX[0] / 80, TIMELINE_PX[1] / 80), dpi=80)
-        axes = figure.add_axes((0.18, 0.25, 0.78, 0.58))
+        axes = figure.add_axes((0.16, 0.36, 0.8, 0.5))
         unit, scale = _unit(self.peak_bytes)
         live = [frame["live_bytes"] / scale for frame in self.frames]
         axes.bar(range(len(live)), live, width=1.0, linewidth=0,
