@@ -164,7 +164,7 @@ class StepPicture:
                          f"{self._styled(piece, shown, made, highlight)}</g>")
         x, y, w, h = window
         return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="{x:.1f} {y:.1f} {w:.1f} {h:.1f}" '
-                f'width="{w * 4 / 3:.0f}" height="{h * 4 / 3:.0f}" style="width:100%; height:auto; display:block">'
+                f'width="{w:.0f}pt" height="{h:.0f}pt" style="width:100%; height:auto; display:block">'
                 + "".join(parts))
 
     def _styled(self, element: _Element, shown: dict[str, str], made: set[str], highlight: str | None) -> str:

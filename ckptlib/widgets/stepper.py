@@ -55,8 +55,13 @@ class BackwardStepper(WidgetView):
     anything with ``loss``, ``example_batch`` and a ``checkpointing`` switch): the step is
     ``model.training_step(model.example_batch(batch))``. ``BackwardStepper(fn, *inputs)``
     for a function that calls ``ckptlib.checkpoint`` inside: the step is
-    ``fn(*inputs).sum().backward()`` (no ``.sum()`` for a scalar), after the ``.grad`` of
-    the inputs is reset to ``None``.
+    ``fn(*inputs).sum().backward()`` (no ``.sum()`` for a scalar), after the ``.grad`` of the
+    inputs and of every leaf the step reaches (the parameters ``fn`` uses) is reset to
+    ``None``. Inputs may be nested (a dict or list of tensors) and need not require grad
+    (token ids): the step has a backward as soon as ``fn``'s output requires grad.
+
+    The graph is laid out once, with every saved tensor of the step in it; an event only
+    recolours it (``svg(k)``), so nodes stay where they are from the first event to the last.
 
     Args:
         batch: the demo model's batch size (``example_batch(batch)``).
