@@ -72,8 +72,8 @@ _PICTURE_KINDS = (("nothing", "white"), ("checkpoint held", palette.SAVED),
                   ("recorded, kept for backward", "#B5DBBE"), ("forward, keep nothing", "#BDBDBD"),
                   ("forward, record", palette.FORWARD), ("backward", palette.BACKWARD))
 CURVE_MAX_CALLS_PER_LAYER = 8
-_PICTURE_PX = (500, 300)    # the schedule picture's size on screen
-_TRADEOFF_PX = (350, 300)   # the trade-off curve's
+_PICTURE_PX = (480, 300)    # the schedule picture's size on screen
+_TRADEOFF_PX = (340, 320)   # the trade-off curve's
 _TEXT = {"family": palette.FONT_FAMILY}
 _PICTURE_COLOURS = ListedColormap([colour for _, colour in _PICTURE_KINDS])
 
@@ -416,7 +416,7 @@ class ScheduleExplorer(WidgetView):
         self._figure.clear()
         self._tradeoff_figure.clear()
         picture = self._figure.add_axes((0.1, 0.3, 0.87, 0.56))
-        tradeoff = self._tradeoff_figure.add_axes((0.17, 0.3, 0.78, 0.56))
+        tradeoff = self._tradeoff_figure.add_axes((0.17, 0.38, 0.78, 0.48))
         self._picture = picture.imshow(np.zeros((1, 1)), cmap=_PICTURE_COLOURS, vmin=0, vmax=len(_PICTURE_KINDS) - 1,
                                        origin="lower", aspect="auto", interpolation="nearest")
         picture.set_xlabel("time (layer forward and backward steps)", fontsize=10.5, **_TEXT)
@@ -444,7 +444,7 @@ class ScheduleExplorer(WidgetView):
         tradeoff.set_xlabel("layer forward calls per step (log)", fontsize=10.5, **_TEXT)
         tradeoff.set_ylabel(f"step peak, measured ({unit})", fontsize=10.5, **_TEXT)
         tradeoff.set_title(f"Memory vs compute, every schedule\nat n={self.n.value}", fontsize=11, **_TEXT)
-        tradeoff.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=4, prop=legend_text, frameon=False,
+        tradeoff.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, prop=legend_text, frameon=False,
                         handletextpad=0.2, columnspacing=0.8)
         self._picture_axes, self._tradeoff_axes, self._drawn_n = picture, tradeoff, self.n.value
 
