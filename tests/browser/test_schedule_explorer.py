@@ -36,6 +36,20 @@ def readout_starts(page, text: str) -> None:
         timeout=WAIT_MS)
 
 
+def press(page, control: str, key: str) -> None:
+    """A key on one of the explorer's sliders ("n" or "parameter")."""
+    handle = page.locator(f".ckptlib-explorer-{control} .noUi-handle")
+    handle.focus()
+    handle.press(key)
+
+
+def pick(page, schedule: str, plan: str) -> None:
+    """Choose ``schedule`` in the menu and wait until the readout names ``plan``."""
+    page.locator(".ckptlib-explorer-schedule select").select_option(schedule)
+    readout_starts(page, plan)
+    wait_idle(page)
+
+
 def wait_idle(page) -> None:
     page.wait_for_function(
         "() => /\\| Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText ?? '')", timeout=WAIT_MS)
@@ -77,28 +91,21 @@ def test_picking_a_schedule_remeasures_it(lab, page, artifacts, width):
         # One key at a time: while a setting is measured the controls are frozen, and a key
         # pressed then is (rightly) not taken.
         for n in range(17, 21):
-            page.locator(".ckptlib-explorer-n .noUi-handle").focus()
-            page.locator(".ckptlib-explorer-n .noUi-handle").press("ArrowRight")
+            press(page, "n", "ArrowRight")
             readout_starts(page, f"sqrt_n({n})")
             wait_idle(page)
         assert "(equal" in text_of(page, ".ckptlib-explorer-readout")
         wait_idle(page)
 
         # End on the parameter slider goes to the maximum for this n (s = n - 1 slots).
-        page.locator(".ckptlib-explorer-schedule select").select_option("revolve")
-        readout_starts(page, "revolve(20, slots=3)")
-        wait_idle(page)
-        page.locator(".ckptlib-explorer-parameter .noUi-handle").focus()
-        page.locator(".ckptlib-explorer-parameter .noUi-handle").press("End")
+        pick(page, "revolve", "revolve(20, slots=3)")
+        press(page, "parameter", "End")
         readout_starts(page, "revolve(20, slots=19)")
         wait_idle(page)
 
         # A budget below the least plan: no old numbers or pictures under the new setting.
-        page.locator(".ckptlib-explorer-schedule select").select_option("budget")
-        readout_starts(page, "plan_for_budget(50%")
-        wait_idle(page)
-        page.locator(".ckptlib-explorer-parameter .noUi-handle").focus()
-        page.locator(".ckptlib-explorer-parameter .noUi-handle").press("Home")
+        pick(page, "budget", "plan_for_budget(50%")
+        press(page, "parameter", "Home")
         page.wait_for_function(
             "() => document.querySelector('.ckptlib-explorer-message').innerText.includes('No plan for 20 layers')",
             timeout=WAIT_MS)
@@ -111,8 +118,7 @@ def test_picking_a_schedule_remeasures_it(lab, page, artifacts, width):
         page.screenshot(path=str(artifacts / f"schedule_explorer_{width}_no_plan.png"))
         least = int(re.search(r"slider to (\d+)%", message)[1])
         for percent in range(10, least + 1, 5):
-            page.locator(".ckptlib-explorer-parameter .noUi-handle").focus()
-            page.locator(".ckptlib-explorer-parameter .noUi-handle").press("ArrowRight")
+            press(page, "parameter", "ArrowRight")
             page.wait_for_function(
                 "(p) => document.querySelector('.ckptlib-explorer-parameter').innerText.includes(p)",
                 arg=str(percent), timeout=WAIT_MS)
