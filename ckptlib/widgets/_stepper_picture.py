@@ -109,8 +109,6 @@ class StepPicture:
         shift = _TRANSLATE.search(svg)
         tx, ty = (float(shift[1]), float(shift[2])) if shift else (0.0, 0.0)
         self._head = svg[svg.index(">", svg.index("<svg")) + 1:]   # everything after the <svg ...> tag
-        # A checkpoint's region in the palette's colour for recomputation (what it will do).
-        self._head = self._head.replace('stroke="darkorange"', f'stroke="{palette.RECOMPUTE}"')
         self._pieces: list[str | _Element] = []
         position = 0
         self.elements: dict[str, _Element] = {}
