@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import ckptlib
 import ckptlib.widgets
-from ckptlib import CheckpointError, MLPChain, StateUpdatedTwiceWarning, TinyTransformer, measure
+from ckptlib import CheckpointError, MLPChain, StateUpdatedTwiceWarning, TinyTransformer, measure, palette
 from ckptlib.checkpoint import is_recomputing, record_trace
 from ckptlib.graph import autograd_graph, to_dot, torchviz_dot, trace_modules
 from ckptlib.memory import MemoryMeter
@@ -141,7 +141,7 @@ def test_01_collapsed_module_boxes_add_up_to_the_caption():
     graph = autograd_graph(loss, modules=modules)
     body = to_dot(graph, collapse="module").body
     module_boxes = [int(n) for line in body for n in re.findall(r"saved (\d+) B", line)]
-    loose_boxes = [int(n) for line in body if "fillcolor=orange" in line and "legend" not in line
+    loose_boxes = [int(n) for line in body if f'fillcolor="{palette.SAVED}"' in line and "legend" not in line
                    for n in re.findall(r"\n(\d+) B", line)]
     assert module_boxes == [256] * 4 and loose_boxes == [256, 256]
     assert sum(module_boxes) + sum(loose_boxes) == graph.saved_bytes == 1536

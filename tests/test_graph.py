@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ckptlib import checkpoint, record_trace
+from ckptlib import checkpoint, palette, record_trace
 from ckptlib.graph import (
     NO_RENDERER, STATUSES, TORCH_CHECKPOINT, AutogradGraph, NotebookDigraph, SideBySide, autograd_graph,
     render_png, render_svg, to_dot, torchviz_dot, trace_modules, with_statuses,
@@ -130,9 +130,9 @@ def test_a_tensor_saved_by_two_nodes_is_counted_once():
     assert exp.saved[0].tensor_name == sin.saved[0].tensor_name == "h"
     assert not exp.saved[0].of_leaf  # naming a tensor does not make it a leaf
     assert (exp.saved_bytes, sin.saved_bytes, graph.saved_bytes) == (12, 12, 12)
-    # One orange box, two dashed edges to it.
+    # One saved (green) box, two dashed edges to it.
     source = to_dot(graph, legend=False).source
-    assert source.count("fillcolor=orange") == 1
+    assert source.count(f'fillcolor="{palette.SAVED}"') == 1
     assert 'n1 -> "n0.self" [label=result' in source
 
 
@@ -311,7 +311,7 @@ def test_checkpoint_region_is_a_dashed_cluster_in_dot():
     assert "label=\"checkpoint test_checkpoint_region_is_a_dashed_cluster_in_dot.<locals>.layer@" in source
     assert "dropped by checkpoint" in source  # in the legend
     loss.backward(retain_graph=True)
-    assert "fillcolor=plum" in to_dot(autograd_graph(loss)).source
+    assert f'fillcolor="{palette.RECOMPUTED}"' in to_dot(autograd_graph(loss)).source
 
 
 def test_torch_utils_checkpoint_is_detected_without_recomputing():
@@ -559,9 +559,9 @@ def test_box_bytes_add_up_to_the_caption(case):
     counted_kept = counted_dropped = 0
     for label, attributes in boxes(dot).values():
         last = label.splitlines()[-1]
-        if "fillcolor=orange" in attributes:
+        if f'fillcolor="{palette.SAVED}"' in attributes:
             counted_kept += label_bytes(label)
-        elif "color=darkorange" in attributes:  # dropped (white) or recomputed (plum), counted
+        elif re.search(rf'\bcolor="({palette.DROPPED}|{palette.RECOMPUTE})"', attributes):  # dropped or recomputed, counted
             assert last in ("dropped", "recomputed")
             counted_dropped += label_bytes(label)
         else:  # everything else says why its bytes are not in the caption
@@ -586,9 +586,9 @@ def test_a_dropout_mask_made_inside_a_checkpoint_is_drawn_as_freeing_memory():
     assert graph.dropped_bytes == 128   # the mask; sin's input is the region's own (leaf) input
     drawn = boxes(to_dot(graph))
     mask_label, mask_style = drawn[f"{dropout.id}.{mask.name}"]
-    assert mask_label.splitlines()[-1] == "dropped" and "color=darkorange" in mask_style
+    assert mask_label.splitlines()[-1] == "dropped" and f'color="{palette.DROPPED}"' in mask_style
     constant_label, constant_style = drawn[f"{by_scale.id}.{constant.name}"]
-    assert constant_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey60" in constant_style
+    assert constant_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey75" in constant_style
 
 
 def test_a_view_of_a_larger_storage_says_what_the_caption_counts():
@@ -613,16 +613,16 @@ def test_a_dropped_input_looks_different_from_a_dropped_activation():
     drawn = boxes(to_dot(graph))
     sin_label, sin_style = drawn[f"{sin.id}.self"]
     exp_label, exp_style = drawn[f"{exp.id}.result"]
-    assert sin_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey60" in sin_style
-    assert exp_label.splitlines()[-1] == "dropped" and "color=darkorange" in exp_style
+    assert sin_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey75" in sin_style
+    assert exp_label.splitlines()[-1] == "dropped" and f'color="{palette.DROPPED}"' in exp_style
     assert "frees nothing" in LEGEND_TEXT(to_dot(graph))
     assert "(dropped by checkpoint" in str(graph) and ", frees nothing)" in str(graph)
 
     loss.backward(retain_graph=True)
     drawn = boxes(to_dot(autograd_graph(loss)))
-    # Recomputed: both plum (the state), but only the activation has the orange "counted" border.
-    assert "fillcolor=plum" in drawn[f"{sin.id}.self"][1] and "color=grey60" in drawn[f"{sin.id}.self"][1]
-    assert "fillcolor=plum" in drawn[f"{exp.id}.result"][1] and "color=darkorange" in drawn[f"{exp.id}.result"][1]
+    # Recomputed: both light purple (the state), but only the activation has the purple "counted" border.
+    assert f'fillcolor="{palette.RECOMPUTED}"' in drawn[f"{sin.id}.self"][1] and "color=grey75" in drawn[f"{sin.id}.self"][1]
+    assert f'fillcolor="{palette.RECOMPUTED}"' in drawn[f"{exp.id}.result"][1] and f' color="{palette.RECOMPUTE}"' in drawn[f"{exp.id}.result"][1]
 
 
 def LEGEND_TEXT(dot) -> str:
@@ -706,8 +706,8 @@ def test_text_view_sizes_the_op_column_to_the_longest_name():
 def test_with_statuses_redraws_each_state_and_keeps_the_original():
     _, graph = checkpointed_mlp("block")
     relu = next(n for n in graph.nodes if n.op == "ReluBackward0" and n.region is not None)
-    expected_fill = {"kept": "orange", "dropped": "white", "recomputed": "plum", "freed": "white",
-                     "modified": "tomato"}
+    expected_fill = {"kept": f'"{palette.SAVED}"', "dropped": "white", "recomputed": f'"{palette.RECOMPUTED}"',
+                     "freed": f'"{palette.RELEASED}"', "modified": "tomato"}
     for status in STATUSES:
         moment = with_statuses(graph, {(relu.id, "result"): status})
         assert moment[relu.id].saved[0].status == status
@@ -724,7 +724,7 @@ def test_a_box_two_nodes_share_shows_the_most_alive_state():
     graph = autograd_graph(x.exp().sin(), params={"x": x})  # exp's result is sin's input
     freed_once = with_statuses(graph, {("n0", "self"): "freed"})
     label, attributes = boxes(to_dot(freed_once))["n0.self"]
-    assert "fillcolor=orange" in attributes  # exp still holds the memory
+    assert f'fillcolor="{palette.SAVED}"' in attributes  # exp still holds the memory
     assert 'n0 -> "n0.self" [label=self arrowhead=none color=grey60' in to_dot(freed_once).source
     both = with_statuses(graph, {("n0", "self"): "freed", ("n1", "result"): "freed"})
     assert "style=\"filled,dotted\"" in boxes(to_dot(both))["n0.self"][1]
@@ -756,14 +756,15 @@ def png_size(png: bytes) -> tuple[int, int]:
     return struct.unpack(">II", png[16:24])
 
 
-def orange_pixels(png: bytes) -> int:
+def saved_pixels(png: bytes) -> int:
     import io
 
     import numpy as np
     from PIL import Image
 
     r, g, b = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int).transpose(2, 0, 1)
-    return int(((r > 240) & (g > 150) & (g < 180) & (b < 30)).sum())  # Graphviz's "orange"
+    red, green, blue = (int(palette.SAVED[k:k + 2], 16) for k in (1, 3, 5))
+    return int(((abs(r - red) < 12) & (abs(g - green) < 12) & (abs(b - blue) < 12)).sum())  # a saved box's fill
 
 
 @pytest.mark.parametrize("system_dot", [True, False])
@@ -778,7 +779,7 @@ def test_render_png_is_the_picture_with_and_without_system_dot(system_dot, monke
     png = render_png(graph)
     width, height = png_size(png)
     assert abs(width - width_pt * 96 / 72) <= 3  # the SVG's size, at 96 dpi
-    assert orange_pixels(render_png(to_dot(autograd_graph(torch.randn(3, requires_grad=True).exp())))) > 100
+    assert saved_pixels(render_png(to_dot(autograd_graph(torch.randn(3, requires_grad=True).exp())))) > 100
     assert png_size(render_png(graph, dpi=192))[0] == pytest.approx(2 * width, abs=4)
 
 
@@ -852,7 +853,7 @@ def test_collapsed_module_boxes_add_up_to_the_caption(checkpoint_every):
             for kind, size in re.findall(r"^(saved|dropped) (.+)$", text, re.MULTILINE):
                 amount = label_bytes(size)
                 saved, dropped = (saved + amount, dropped) if kind == "saved" else (saved, dropped + amount)
-        elif "fillcolor=orange" in entry:
+        elif f'fillcolor="{palette.SAVED}"' in entry:
             saved += label_bytes(text.splitlines()[-1])
     assert saved == pytest.approx(graph.saved_bytes, abs=52 * rounded)
     assert dropped == pytest.approx(graph.dropped_bytes, abs=52 * rounded)

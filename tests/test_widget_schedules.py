@@ -1,6 +1,9 @@
 """ScheduleExplorer without a browser: set n, the schedule and its parameter; read the result."""
 from __future__ import annotations
 
+import base64
+import re
+
 import time
 
 import numpy as np
@@ -88,10 +91,51 @@ def test_a_budget_the_least_plan_cannot_meet_is_a_message(explorer):
     assert explorer.result["forward_calls"] == 16 and explorer.message.value == ""
     fitting = dict(explorer.result)
     explorer.parameter.value = 5
-    assert "no plan runs these 16 layers" in explorer.message.value
-    assert explorer.result == fitting           # the last plan that ran stays on screen
+    # In the widget's own terms (its "budget %" slider, KiB), and the old plan is cleared, not left
+    # on screen under the new setting.
+    assert "No plan for 16 layers fits a budget of 5% = 25.60 KiB of the plain chain's 512.00 KiB" in \
+        explorer.message.value
+    assert "Move the <b>budget %</b> slider to " in explorer.message.value and "memory_budget" not in \
+        explorer.message.value
+    assert explorer.result["plan"] is None and explorer.readout.value == ""
+    assert explorer.plots.layout.display == "none" and "image/png" not in explorer._repr_mimebundle_()
+    least = int(re.search(r"slider to (\d+)%", explorer.message.value)[1])
+    explorer.parameter.value = least
+    assert explorer.message.value == "" and explorer.result["plan"] and explorer.plots.layout.display is None
+    explorer.parameter.value = least - 5
+    assert explorer.result["plan"] is None
     explorer.parameter.value = 50
     assert explorer.message.value == "" and explorer.result["peak_bytes"] < fitting["peak_bytes"]
+
+
+def test_measuring_freezes_the_controls_and_says_so(explorer):
+    seen = []
+    explorer.n.value = 16
+    original = explorer.measure_plan
+
+    def watching(plan):
+        seen.append((explorer.schedule.disabled, explorer.n.disabled, explorer.parameter.disabled,
+                     "Measuring" in explorer.message.value))
+        return original(plan)
+
+    explorer.measure_plan = watching
+    try:
+        explorer.n.value = 17
+    finally:
+        del explorer.measure_plan
+    assert seen and all(state == (True, True, True, True) for state in seen)
+    assert not explorer.n.disabled and not explorer.schedule.disabled and explorer.message.value == ""
+
+
+def test_the_output_carries_a_picture_of_both_plots(explorer):
+    bundle = explorer._repr_mimebundle_()
+    assert base64.b64decode(bundle["image/png"]).startswith(PNG_SIGNATURE)
+
+
+def test_the_readout_says_what_each_peak_counts(explorer):
+    text = explorer.readout.value
+    assert "the whole step: activations, weights' gradients, tensors in flight" in text
+    assert "activations only" in text and "can exceed the step's measured peak" in text
 
 
 def test_the_trade_off_curve_holds_every_schedule_and_the_current_plan_sits_on_it(explorer):

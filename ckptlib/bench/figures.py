@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ckptlib import palette
 from ckptlib.bench.config import METER_VARIANTS
 from ckptlib.bench.summary import BenchError, BenchRun, check_summary
 from ckptlib.bench.sweeps import _forward_mismatches
@@ -22,7 +23,7 @@ from ckptlib.memory import TimelineEntry, format_bytes
 
 FIGURE_NAMES = ("memory_vs_depth", "overhead_per_variant", "memory_timeline", "scaling_peak_vs_n",
                 "forward_calls_vs_theory")
-PHASE_COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "recompute": "tab:green"}
+PHASE_COLOURS = palette.PHASES
 MiB = 2 ** 20
 _STYLE = {"svg.hashsalt": "ckptlib.bench", "font.size": 9}
 _SIZES = {"overhead_per_variant": (7.0, 5.6)}     # inches; the others (7.0, 4.2)

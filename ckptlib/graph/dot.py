@@ -3,20 +3,21 @@
 Design notes
 ============
 
-Colours. torchviz's ``make_dot`` draws leaves light blue, outputs green, saved
-tensors orange and ops Graphviz grey; a learner who saw torchviz first reads
-ours the same way. The states are ours: a tensor a checkpoint dropped is a
-dashed white box (plum once recomputed) inside a dashed box for its checkpoint
-region; a freed one is dotted, a modified one red.
+Colours. Leaves light blue and ops grey, as torchviz draws them; the saved tensors'
+states in the colours of :mod:`ckptlib.palette`, the same in every picture of the course:
+saved green, a tensor a checkpoint dropped a dashed white box (light purple once
+recomputed) inside a dashed purple box for its checkpoint region (purple: recomputation),
+a freed one light grey and dotted, a modified one red. The output is a white box with a
+bold border (torchviz's green would read as "saved").
 
 What is counted is what is drawn. The caption gives the totals of
 :class:`AutogradGraph` (``saved_bytes``, ``dropped_bytes``), and every box with
-bytes on it says whether they are in them: orange boxes and dashed orange ones
-are counted (a view of a larger storage says so, as the storage counts once); a
+bytes on it says whether they are in them: green boxes and those with a dashed
+grey or purple border are counted (a view of a larger storage says so, as the storage counts once); a
 saved leaf is the leaf's own memory, drawn as an edge to the leaf's node, or as a
 pale box "leaf, not counted" when the leaf is not in the graph (an input that
 needs no grad, a buffer); a dropped tensor whose dropping freed nothing (the
-checkpoint's own input) has a grey dashed border and says "frees nothing": the
+checkpoint's own input) has a pale dashed border and says "frees nothing": the
 fill gives its state, the border whether its bytes count.
 
 One box per memory. Kept tensors that are one view of one memory share a box
@@ -32,6 +33,7 @@ from __future__ import annotations
 import graphviz
 import torch
 
+from ckptlib import palette
 from ckptlib._arguments import flag, integer
 from ckptlib.graph.nodes import (
     AutogradGraph, GraphNode, SavedTensor, bytes_text, dtype_text, shape_text,
@@ -41,23 +43,25 @@ from ckptlib.graph.walk import build_graph
 
 __all__ = ["to_dot", "NotebookDigraph", "STYLES", "LEGEND"]
 
+# Not counted: the border of a dropped or recomputed tensor whose bytes are in no total.
+UNCOUNTED_BORDER = "grey75"
 STYLES: dict[str, dict[str, str]] = {
     "leaf": {"fillcolor": "lightblue"},
-    "output": {"fillcolor": "darkolivegreen1"},
+    "output": {"fillcolor": "white", "penwidth": "2"},
     "op": {"fillcolor": "lightgrey"},
-    "kept": {"fillcolor": "orange"},
+    "kept": {"fillcolor": palette.SAVED},
     "saved leaf": {"fillcolor": "aliceblue", "color": "grey50", "style": "filled,dashed"},
-    "dropped": {"fillcolor": "white", "color": "darkorange", "style": "filled,dashed"},
-    "frees nothing": {"fillcolor": "white", "color": "grey60", "style": "filled,dashed", "fontcolor": "grey35"},
-    "recomputed": {"fillcolor": "plum", "color": "darkorange", "style": "filled,dashed"},
-    "recomputed, frees nothing": {"fillcolor": "plum", "color": "grey60", "style": "filled,dashed",
+    "dropped": {"fillcolor": "white", "color": palette.DROPPED, "style": "filled,dashed"},
+    "frees nothing": {"fillcolor": "white", "color": UNCOUNTED_BORDER, "style": "filled,dashed", "fontcolor": "grey35"},
+    "recomputed": {"fillcolor": palette.RECOMPUTED, "color": palette.RECOMPUTE, "style": "filled,dashed"},
+    "recomputed, frees nothing": {"fillcolor": palette.RECOMPUTED, "color": UNCOUNTED_BORDER, "style": "filled,dashed",
                                   "fontcolor": "grey35"},
-    "freed": {"fillcolor": "white", "color": "grey50", "style": "filled,dotted"},
+    "freed": {"fillcolor": palette.RELEASED, "color": "grey50", "style": "filled,dotted"},
     "modified": {"fillcolor": "tomato"},
     "module": {"fillcolor": "lightgrey", "shape": "box3d"},
-    "module dropped": {"fillcolor": "white", "color": "darkorange", "style": "filled,dashed",
+    "module dropped": {"fillcolor": "white", "color": palette.DROPPED, "style": "filled,dashed",
                        "shape": "box3d"},
-    "module recomputed": {"fillcolor": "plum", "color": "darkorange", "style": "filled,dashed",
+    "module recomputed": {"fillcolor": palette.RECOMPUTED, "color": palette.RECOMPUTE, "style": "filled,dashed",
                           "shape": "box3d"},
 }
 LEGEND = {
@@ -93,6 +97,11 @@ class NotebookDigraph(graphviz.Digraph):
     need system Graphviz."""
 
     summary: str = ""
+    # Where each thing is drawn, for a picture that restyles boxes later (the backward stepper):
+    # (node id, saved attribute) -> the id of its box (or of the leaf it is an edge to), and,
+    # with collapse="module", node id -> the id of its module's box.
+    saved_boxes: dict[tuple[str, str], str]
+    module_boxes: dict[str, str]
 
     def __repr__(self) -> str:
         summary = self.summary or f"{sum('->' in line for line in self.body)} edges"
@@ -107,14 +116,14 @@ class NotebookDigraph(graphviz.Digraph):
 
 def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, depth: int = 2,
            legend: bool = True) -> NotebookDigraph:
-    """Draw ``graph`` (or the graph behind a tensor) as DOT: ops grey, leaves blue, outputs green,
-    saved tensors orange.
+    """Draw ``graph`` (or the graph behind a tensor) as DOT: ops grey, leaves blue, outputs white
+    with a bold border, saved tensors green (:mod:`ckptlib.palette`).
 
     Saved tensors hang off their node (dashed edges, labelled with the attribute
     name); a saved leaf points at the leaf itself (a pale box "leaf, not counted"
     when no node stands for it). Tensors a checkpoint dropped are dashed white
-    boxes (plum once recomputed) inside a dashed box for their checkpoint region;
-    a grey border marks those whose dropping frees nothing. The caption's totals
+    boxes (light purple once recomputed) inside a dashed purple box for their checkpoint
+    region; a pale border marks those whose dropping frees nothing. The caption's totals
     add exactly the boxes that say they are counted. ``collapse="module"`` draws each submodule, cut at
     ``depth`` path components (``blocks.3.attn`` -> ``blocks.3``), as one box
     with its op count and bytes; this needs a graph built with ``modules=``.
@@ -127,10 +136,10 @@ def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, 
     digraph {
         node [align=left fontname=Courier fontsize=10 height=0.2 ranksep=0.1 shape=box style=filled]
         out0 [label="output
-    (3,)" fillcolor=darkolivegreen1]
+    (3,)" fillcolor=white penwidth=2]
         n0 [label=SinBackward0 fillcolor=lightgrey]
         "n0.self" [label="(3,) float32
-    12 B" fillcolor=orange]
+    12 B" fillcolor="#55A868"]
         n1 [label=ExpBackward0 fillcolor=lightgrey]
         n2 [label="x
     (3,)" fillcolor=lightblue]
@@ -158,6 +167,7 @@ def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, 
                          "(1: 'blocks', 2: 'blocks.3', ...).")
     flag(legend, "legend", where="to_dot")
     dot = NotebookDigraph(node_attr=_NODE_ATTR)
+    dot.saved_boxes, dot.module_boxes = {}, {}
     if collapse is None:
         used = _draw_nodes(dot, graph, graph.nodes)
     else:
@@ -188,11 +198,13 @@ def _draw_nodes(dot: graphviz.Digraph, graph: AutogradGraph, nodes: list[GraphNo
         elif node is regions[node.region][0]:  # draw the whole region where it is first met
             number = list(regions).index(node.region)
             with dot.subgraph(name=f"cluster_checkpoint{number}") as cluster:
-                cluster.attr(label=f"checkpoint {node.region}", style="dashed", color="darkorange",
+                cluster.attr(label=f"checkpoint {node.region}", style="dashed", color=palette.RECOMPUTE,
                              fontname=FONT, fontsize="10")
                 for member in regions[node.region]:
                     boxes.draw(cluster, member)
     for src, dst, saved, to_leaf in boxes.edges:
+        if isinstance(dot, NotebookDigraph):
+            dot.saved_boxes[src, saved.name] = dst
         # An edge to a leaf must not rank it: the leaf stays above the ops that use it.
         extra = {"constraint": "false"} if to_leaf else {}
         if saved.status == "freed":
@@ -296,6 +308,8 @@ def _draw_modules(dot: graphviz.Digraph, graph: AutogradGraph, depth: int) -> li
         else:
             groups.setdefault(".".join(node.module.split(".")[:depth]), []).append(node)
     box_of = {member.id: f"m{number}" for number, members in enumerate(groups.values()) for member in members}
+    if isinstance(dot, NotebookDigraph):
+        dot.module_boxes.update(box_of)
     used = _draw_nodes(dot, graph, loose)
     saved_bytes = _charged_bytes(loose, groups)
     for number, (path, members) in enumerate(groups.items()):
@@ -358,12 +372,22 @@ def _module_label(path: str, members: list[GraphNode], module_types: dict[str, s
 
 
 def _draw_legend(dot: graphviz.Digraph, used: list[str], caption: str) -> None:
+    # One node holding a small table (a colour sample and its words per row): a compact block
+    # beside the graph. One node per entry would be spread over the graph's ranks, as tall as it.
+    shown = [style for style in STYLES if style in used]
+    rows = "".join(_legend_row(style) for style in shown)
     with dot.subgraph(name="cluster_legend") as legend:
         legend.attr(label="legend", fontname=FONT, fontsize="10", color="grey70")
-        shown = [style for style in STYLES if style in used]
-        for style in shown:
-            legend.node(f"legend.{style}", LEGEND[style], **STYLES[style])
-        # Invisible edges stack the entries in a column: a row would make the picture wide.
-        for above, below in zip(shown, shown[1:]):
-            legend.edge(f"legend.{above}", f"legend.{below}", style="invis")
+        legend.node("legend.table", f'<<TABLE BORDER="0" CELLSPACING="3" CELLPADDING="1">{rows}</TABLE>>',
+                    shape="plaintext", style="", fillcolor="")
     dot.attr(label=caption, fontname=FONT, fontsize="10")
+
+
+def _legend_row(style: str) -> str:
+    """One legend row: a sample drawn as ``STYLES[style]`` draws a box, then its meaning."""
+    attributes = STYLES[style]
+    line = attributes.get("style", "")
+    dash = ' STYLE="dashed"' if "dashed" in line else ' STYLE="dotted"' if "dotted" in line else ""
+    sample = (f'<TD WIDTH="22" HEIGHT="12" FIXEDSIZE="TRUE" BORDER="1" BGCOLOR="{attributes["fillcolor"]}" '
+              f'COLOR="{attributes.get("color", "black")}"{dash}></TD>')
+    return f'<TR>{sample}<TD ALIGN="LEFT">{LEGEND[style]}</TD></TR>'

@@ -91,6 +91,7 @@ from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Sequence, Union
 
+from ckptlib import palette
 from ckptlib._arguments import got, integer, number
 
 if TYPE_CHECKING:
@@ -326,9 +327,9 @@ class Plan:
         if ax is None:
             _, ax = plt.subplots(figsize=(9, 3.5))
         styles = {
-            ("forward", False): dict(color="0.55", linestyle="--", label="forward, keep nothing"),
-            ("forward", True): dict(color="tab:blue", label="forward, record"),
-            ("backward", False): dict(color="tab:red", label="backward"),
+            ("forward", False): dict(color=palette.MUTED, linestyle="--", label="forward, keep nothing"),
+            ("forward", True): dict(color=palette.FORWARD, label="forward, record"),
+            ("backward", False): dict(color=palette.BACKWARD, label="backward"),
         }
         labelled: set[str] = set()
 
@@ -349,7 +350,7 @@ class Plan:
             elif action.op == "store":
                 stored_at[action.start] = time
             else:
-                ax.hlines(action.start, stored_at.pop(action.start), time, color="tab:green", linewidth=5,
+                ax.hlines(action.start, stored_at.pop(action.start), time, color=palette.SAVED, linewidth=5,
                           alpha=0.4, **once(dict(label="checkpoint held")))
         ax.set_xlabel("time (layer forward and backward steps)")
         ax.set_ylabel("layer (x_i: input of layer i)")

@@ -53,13 +53,14 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ckptlib.checkpoint import TraceEvent, is_recomputing, peek_saved, record_trace
 from ckptlib.graph import AutogradGraph, autograd_graph, trace_modules
 from ckptlib.graph.walk import _walk as walk_nodes
 from ckptlib.memory import MemoryMeter, TimelineEntry, format_bytes
 
-__all__ = ["StepReplay", "Step", "make_step", "describe", "STATES"]
+__all__ = ["StepReplay", "Step", "make_step", "describe", "op_words", "STATES"]
 
 STATES = ("saved", "dropped", "recomputed", "released")
 _EVENT_PHASE = {"pack": "forward", "forward_done": "forward", "recompute": "recompute",
@@ -193,16 +194,29 @@ class Slot:
     module: str | None
 
 
+@dataclass
+class _GraphFacts:
+    """What the graph pass reads from autograd's nodes besides the saved tensors."""
+
+    sequence: dict[str, int]          # node id -> autograd's creation number (forward order)
+    leaves: list[torch.Tensor]        # the leaves the step reaches: their .grad is reset before each pass
+
+
 def _slots(loss: torch.Tensor, recorder: _Recorder, graph: AutogradGraph
-           ) -> tuple[dict[int, Slot], dict[tuple[str, int], Slot]]:
-    """Outer pack number -> slot, and (raw region name, index) -> slot, read without recomputing."""
+           ) -> tuple[dict[int, Slot], dict[tuple[str, int], Slot], _GraphFacts]:
+    """Outer pack number -> slot, and (raw region name, index) -> slot, read without recomputing;
+    with each node's creation number, which tells when forward made it."""
     by_order: dict[int, Slot] = {}
     by_region: dict[tuple[str, int], Slot] = {}
+    facts = _GraphFacts({}, [])
     for number, fn in enumerate(walk_nodes([loss.grad_fn])[0]):  # the walk that numbers n0, n1, ...
         node = graph[f"n{number}"]
         if node.op != fn.name().rsplit("::", 1)[-1]:  # pragma: no cover - autograd_graph changed its walk
             raise RuntimeError(f"BackwardStepper: node n{number} is {node.op} in autograd_graph but "
                                f"{fn.name()} in the stepper's walk; the two walks must agree.")
+        facts.sequence[node.id] = fn._sequence_nr()
+        if hasattr(fn, "variable"):   # AccumulateGrad: a leaf that gets .grad
+            facts.leaves.append(fn.variable)
         for raw_attribute in sorted(a for a in dir(fn) if a.startswith("_raw_saved_")):
             name = raw_attribute[len("_raw_saved_"):]
             raw = getattr(fn, raw_attribute)
@@ -222,7 +236,7 @@ def _slots(loss: torch.Tensor, recorder: _Recorder, graph: AutogradGraph
                     info = peek.take()
                 if info is not None:
                     by_region[(info.region, info.index)] = slot
-    return by_order, by_region
+    return by_order, by_region, facts
 
 
 def _base_name(region: str) -> str:
@@ -273,8 +287,10 @@ class StepReplay:
                 loss = step.forward()
             recorder.quiet = True
             graph = autograd_graph(loss, params=step.params, modules=modules)
-            by_order, by_region = _slots(loss, recorder, graph)
+            by_order, by_region, facts = _slots(loss, recorder, graph)
             del loss
+        self.sequence_of_node = facts.sequence
+        self._leaves = facts.leaves
         # Pack order -> label. Outer packs not held by a node are checkpoint inputs: they are
         # saved as the checkpoint starts, so they belong to the next region that shows up.
         regions: list[str] = []
@@ -314,6 +330,8 @@ class StepReplay:
         step = self.step
         recorder = _Recorder(step.inputs)
         step.prepare()
+        for leaf in self._leaves:   # parameters a function closes over get fresh gradients too
+            leaf.grad = None
         with MemoryMeter(step.device, backend="tensors", on_op=recorder.on_op) as meter:
             recorder.meter = meter
             with _BeforeOp(recorder.before_op), record_trace(on_event=recorder.on_event), _hooks(recorder):
@@ -339,6 +357,22 @@ def _display_names(regions: list[str], blocks: bool) -> list[str]:
     for k, base in enumerate(bases):
         names.append(base if bases.count(base) == 1 else f"{base} {bases[:k].count(base)}")
     return names
+
+
+_PHASE_RUNS = {"forward": "forward runs", "recompute": "the rerun runs", "backward": "backward runs"}
+# What the aten ops of the demo models do, in words; other ops are named as they are.
+_OP_WORDS = {
+    "t": "t (transpose the weight: a view, no copy)", "addmm": "addmm (x @ W.T + b)",
+    "mm": "mm (matrix multiply)", "relu": "relu", "threshold_backward": "threshold_backward (relu's gradient)",
+    "mse_loss": "mse_loss (the loss)", "mse_loss_backward": "mse_loss_backward (the loss's gradient)",
+    "sum": "sum", "ones_like": "ones_like (the loss's gradient, 1)", "add": "add", "mul": "mul",
+    "detach": "detach (a view)", "view": "view (no copy)", "_unsafe_view": "view (no copy)",
+}
+
+
+def op_words(op: str) -> str:
+    """An aten op's name with what it does, for the demo models' ops: ``"t"`` -> ``"t (transpose ...)"``."""
+    return _OP_WORDS.get(op, op)
 
 
 def describe(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> str:
@@ -426,7 +460,9 @@ class _Frames:
             # event: a tensor nothing refers to any more (not saved, not returned) dies between ops.
             own = item.live - item.before
             freed = (self.out[-1]["live_bytes"] if self.out else 0) - item.before
-            text = f"{item.phase} op: {item.op}, live {'+' if own >= 0 else '-'}{format_bytes(abs(own))}"
+            change = f"+{format_bytes(own)} new" if own > 0 else "no new memory" if own == 0 else \
+                f"-{format_bytes(-own)}"
+            text = f"{_PHASE_RUNS[item.phase]} {op_words(item.op)}: {change}"
             if freed > 0:
                 text += f"; before it ran, {format_bytes(freed)} freed: tensors nothing refers to any more"
             self._add(self._frame(f"{item.phase}_op", item.phase, text, item.live, op=item.op))
@@ -618,26 +654,29 @@ def make_step(model_or_fn: Any, inputs: tuple, batch: int) -> Step:
         raise TypeError(f"BackwardStepper: expected a demo model or a function, got "
                         f"{type(model_or_fn).__name__}.")
     fn = model_or_fn
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
-    if not any(t.requires_grad for t in tensors):
-        raise ValueError("BackwardStepper(fn, *inputs): no input requires grad, so the step has no backward. "
-                         "Pass at least one tensor made with requires_grad=True.")
+    # Inputs may be nested (a dict of tensors, a list of them) and need not require grad (token
+    # ids): a step has a backward as soon as its output does, through an input or a parameter.
+    tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
 
     def forward() -> torch.Tensor:
         out = fn(*inputs)
-        if not isinstance(out, torch.Tensor) or not out.requires_grad:
-            raise TypeError(f"BackwardStepper: fn returned {type(out).__name__}"
-                            + (" without grad" if isinstance(out, torch.Tensor) else "")
-                            + "; it must return a tensor computed from the inputs.")
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"BackwardStepper: fn returned {type(out).__name__}; it must return a tensor "
+                            "computed from the inputs (its .sum() is the loss).")
+        if not out.requires_grad:
+            raise ValueError("BackwardStepper(fn, *inputs): fn's output does not require grad: no input "
+                             "requires grad and fn uses no parameter that does, so the step has no backward. "
+                             "Pass a tensor made with requires_grad=True, or use a module's parameters in fn.")
         return out if out.dim() == 0 else out.sum()
 
     def prepare() -> None:
         for tensor in tensors:
-            if tensor.is_leaf:
+            if tensor.is_leaf and tensor.requires_grad:
                 tensor.grad = None
 
-    params = {f"input{k}": t for k, t in enumerate(inputs) if isinstance(t, torch.Tensor)}
-    return Step(forward, prepare, params, None, tensors[0].device, False, tuple(tensors))
+    params = {f"input{k}": t for k, t in enumerate(tensors)}
+    device = tensors[0].device if tensors else torch.device("cpu")
+    return Step(forward, prepare, params, None, device, False, tuple(tensors))
 
 
 def _modules(model: torch.nn.Module | None):

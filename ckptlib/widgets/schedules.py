@@ -22,11 +22,15 @@ Deterministic plans. ``plan_for_budget`` trades memory for forward time; the lay
 the chain are alike, so each gets a forward time of 1 (a measured one, in microseconds,
 would make the chosen plan change from run to run).
 
-Fast updates. A step at n=64 under the meter takes up to 0.2 s (Revolve with one slot
+Fast updates. A step at n=64 under the meter takes up to 2.4 s (Revolve with one slot
 runs 2080 layer forwards). So every measurement is cached by the plan's body (two
 schedules that make the same plan, ``sqrt(16)`` and ``uniform k=4``, share it), and the
 trade-off curve, a fixed family of plans measured once per n, is computed when n is
-first shown. Moving the parameter slider then costs one measurement at most, and a redraw.
+first shown, leaving out plans of more than ``CURVE_MAX_CALLS_PER_LAYER`` forward calls
+per layer (Revolve with one slot at large n: the curve's far end, and most of its cost).
+Moving the parameter slider then costs one measurement at most, and a redraw. While a
+measurement runs, the controls are frozen and the readout says so: a slider that takes new
+values while the old plan is still on screen reads as if the new one had been measured.
 """
 from __future__ import annotations
 
@@ -41,9 +45,11 @@ from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormat
 
 from ckptlib.memory import format_bytes, measure
 from ckptlib.models import MLPChain
+from ckptlib import palette
 from ckptlib.schedules import LayerCost, Plan, Segment, plan_for_budget, recursive, revolve, sqrt_n, uniform
+from ckptlib.schedules.budget import _least_memory_plan
 from ckptlib.sequential import measure_layer_costs
-from ckptlib.widgets._view import HIGHLIGHT, MUTED, WidgetView, png_bytes
+from ckptlib.widgets._view import WidgetView, png_bytes
 
 __all__ = ["ScheduleExplorer", "SCHEDULES", "schedule_picture"]
 
@@ -60,8 +66,15 @@ _MARKERS = {"none": "s", "uniform": "^", "sqrt(n)": "D", "recursive": "v", "revo
 
 
 # What a cell of the schedule picture shows, in the order of its value.
-_PICTURE_KINDS = (("nothing", "white"), ("checkpoint held", "#A1D99B"), ("recorded, kept for backward", "#9ECAE1"),
-                  ("forward, keep nothing", "#969696"), ("forward, record", "#2171B5"), ("backward", "#CB181D"))
+# The palette's colours: kept memory green (a checkpoint, an activation kept for backward, paler),
+# forward blue (grey when it keeps nothing), backward orange.
+_PICTURE_KINDS = (("nothing", "white"), ("checkpoint held", palette.SAVED),
+                  ("recorded, kept for backward", "#B5DBBE"), ("forward, keep nothing", "#BDBDBD"),
+                  ("forward, record", palette.FORWARD), ("backward", palette.BACKWARD))
+CURVE_MAX_CALLS_PER_LAYER = 8
+_PICTURE_PX = (480, 300)    # the schedule picture's size on screen
+_TRADEOFF_PX = (340, 320)   # the trade-off curve's
+_TEXT = {"family": palette.FONT_FAMILY}
 _PICTURE_COLOURS = ListedColormap([colour for _, colour in _PICTURE_KINDS])
 
 
@@ -121,7 +134,8 @@ class ScheduleExplorer(WidgetView):
     Attributes:
         n, schedule, parameter: the controls (``IntSlider``, ``Dropdown``, ``IntSlider``).
             ``parameter`` is k for "uniform", s for "revolve", the budget in percent of
-            the plain chain's activations for "budget", disabled for the others.
+            the plain chain's activations for "budget", disabled for the others. A change of
+            its range makes a new slider: read ``explorer.parameter`` afresh, not a saved one.
         result: what the current plan measured and what its theory says: ``"plan"``
             (its name), ``"n"``, ``"schedule"``, ``"parameter"`` (``None`` when unused),
             ``"peak_bytes"`` (the step's peak, measured), ``"forward_calls"`` (counted),
@@ -160,27 +174,47 @@ class ScheduleExplorer(WidgetView):
 
         self.schedule = widgets.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
         self.n = widgets.IntSlider(value=n, min=2, max=max_n, description="n layers", continuous_update=False)
-        self.parameter = widgets.IntSlider(value=1, min=1, max=2, description="parameter", continuous_update=False,
-                                           style={"description_width": "initial"})
-        self.readout = widgets.HTML()
-        self.message = widgets.Label()
-        self.plot = widgets.Image(format="png")
-        for name, widget in (("schedule", self.schedule), ("n", self.n), ("parameter", self.parameter),
-                             ("readout", self.readout), ("message", self.message), ("plot", self.plot)):
+        self.parameter = self._slider(1, 2, 1, 1, "parameter")
+        self.readout = widgets.HTML(layout=widgets.Layout(min_width="0"))
+        self.message = widgets.HTML(layout=widgets.Layout(min_width="0"))
+        # Two pictures side by side on a wide page, one above the other on a narrow one; each drawn
+        # at twice the pixels it takes on screen.
+        self.plot = widgets.Image(format="png", layout=widgets.Layout(width="100%", max_width=f"{_PICTURE_PX[0]}px"))
+        self.tradeoff_plot = widgets.Image(format="png", layout=widgets.Layout(
+            width="100%", max_width=f"{_TRADEOFF_PX[0]}px"))
+        self.plots = widgets.HBox([self.plot, self.tradeoff_plot], layout=widgets.Layout(flex_flow="row wrap"))
+        for name, widget in (("schedule", self.schedule), ("n", self.n),
+                             ("readout", self.readout), ("message", self.message), ("plot", self.plot),
+                             ("tradeoff", self.tradeoff_plot)):
             widget.add_class(f"ckptlib-explorer-{name}")  # stable handles for the browser test
         self._adjusting = False
         self._fit_parameter(default=True)
         self.schedule.observe(lambda _change: self._changed(schedule_changed=True), names="value")
         self.n.observe(lambda _change: self._changed(), names="value")
-        self.parameter.observe(lambda _change: self._changed(), names="value")
-        self.widget = widgets.VBox([widgets.HBox([self.schedule, self.n, self.parameter]), self.readout,
-                                    self.message, self.plot])
-        self._figure = Figure(figsize=(11, 3.6), dpi=80)
+        self.controls = widgets.HBox([self.schedule, self.n, self.parameter], layout=widgets.Layout(flex_flow="row wrap"))
+        self.widget = widgets.VBox([self.controls,
+                                    self.message, self.readout, self.plots], layout=widgets.Layout(max_width="1000px"))
+        self._figure = Figure(figsize=(_PICTURE_PX[0] / 80, _PICTURE_PX[1] / 80), dpi=80)
+        self._tradeoff_figure = Figure(figsize=(_TRADEOFF_PX[0] / 80, _TRADEOFF_PX[1] / 80), dpi=80)
         self._drawn_n: int | None = None
         self.update()
 
     def _text(self) -> str:
-        return f"ScheduleExplorer({self.result.get('plan', '?')})"
+        return f"ScheduleExplorer({self.result.get('plan') or 'no plan fits'})"
+
+    def _static_png(self) -> bytes | None:
+        """The plan's picture beside the trade-off curve, for front ends without the widget."""
+        if not self.result.get("plan"):
+            return None
+        from PIL import Image   # matplotlib depends on Pillow
+        import io
+        left, right = (Image.open(io.BytesIO(bytes(image.value))) for image in (self.plot, self.tradeoff_plot))
+        both = Image.new("RGBA", (left.width + right.width, max(left.height, right.height)), "white")
+        both.paste(left, (0, 0))
+        both.paste(right, (left.width, 0))
+        buffer = io.BytesIO()
+        both.save(buffer, format="png")
+        return buffer.getvalue()
 
     # -- controls ---------------------------------------------------------------
     def _fit_parameter(self, default: bool) -> None:
@@ -197,19 +231,37 @@ class ScheduleExplorer(WidgetView):
             name, value = what
             low, high, step = {"k segments": (1, n, 1), "s slots": (1, max(1, n - 1), 1),
                                "budget %": (5, 100, 5)}[name]
-            value = value if default else self.parameter.value
-            self.parameter.min, self.parameter.max = min(low, self.parameter.min), max(high, self.parameter.max)
-            self.parameter.step, self.parameter.value = step, min(max(value, low), high)
-            self.parameter.min, self.parameter.max = low, high
+            value = min(max(value if default else self.parameter.value, low), high)
+            if (self.parameter.min, self.parameter.max, self.parameter.step) != (low, high, step):
+                # A new range gets a new slider: the browser's slider keeps its first range for the
+                # End and Home keys (End stopped at the old maximum), however the range is updated.
+                self._replace_parameter(self._slider(low, high, step, value, name))
+            self.parameter.value = value
             self.parameter.disabled, self.parameter.description, self.parameter.readout = False, name, True
         finally:
             self._adjusting = False
+
+    def _slider(self, low: int, high: int, step: int, value: int, name: str) -> widgets.IntSlider:
+        slider = widgets.IntSlider(value=value, min=low, max=high, step=step, description=name,
+                                   continuous_update=False, style={"description_width": "initial"})
+        slider.add_class("ckptlib-explorer-parameter")   # a stable handle for the browser test
+        slider.observe(lambda _change: self._changed(), names="value")
+        return slider
+
+    def _replace_parameter(self, slider: widgets.IntSlider) -> None:
+        old, self.parameter = self.parameter, slider
+        if hasattr(self, "controls"):
+            self.controls.children = tuple(slider if child is old else child for child in self.controls.children)
+        old.close()
 
     def _changed(self, schedule_changed: bool = False) -> None:
         if self._adjusting:
             return
         self._fit_parameter(default=schedule_changed)
         self.update()
+
+    def _frozen(self) -> "_Frozen":
+        return _Frozen(self)
 
     # -- the chain and its measurements -----------------------------------------------
     def _chain_for(self, n: int) -> tuple[MLPChain, Any, list[int], list[LayerCost]]:
@@ -273,6 +325,8 @@ class ScheduleExplorer(WidgetView):
                     plan = self.plan_for(schedule, n, parameter)
                 except ValueError:
                     continue  # a budget below what any plan needs at this n
+                if plan.forward_calls > CURVE_MAX_CALLS_PER_LAYER * n:
+                    continue  # the curve's far end: seconds to measure, and off the plot's interesting part
                 peak, calls = self.measure_plan(plan)
                 points.append({"schedule": schedule, "parameter": parameter, "plan": plan.name,
                                "peak_bytes": peak, "forward_calls": sum(calls)})
@@ -284,14 +338,14 @@ class ScheduleExplorer(WidgetView):
         """Measure (or look up) the current setting and redraw; called on every control change."""
         schedule, n = self.schedule.value, self.n.value
         parameter = None if SCHEDULES[schedule] is None else self.parameter.value
-        try:
-            plan = self.plan_for(schedule, n, parameter)
-        except ValueError as error:
-            self.message.value = f"{schedule} with {self.parameter.description} = {parameter}: {error}"
-            return
-        self.message.value = ""
-        self.curve = self._curve_for(n)
-        peak, calls = self.measure_plan(plan)
+        with self._frozen():
+            try:
+                plan = self.plan_for(schedule, n, parameter)
+            except ValueError:
+                self._no_plan(schedule, n, parameter)
+                return
+            self.curve = self._curve_for(n)
+            peak, calls = self.measure_plan(plan)
         costs = self._chain_for(n)[3]
         self.result = {
             "plan": plan.name, "n": n, "schedule": schedule, "parameter": parameter,
@@ -302,7 +356,24 @@ class ScheduleExplorer(WidgetView):
         }
         self.readout.value = self._readout()
         self._draw(plan)
-        self.plot.value = png_bytes(self._figure)
+        self.plot.value = png_bytes(self._figure, scale=2)
+        self.tradeoff_plot.value = png_bytes(self._tradeoff_figure, scale=2)
+        self.plots.layout.display = None
+
+    def _no_plan(self, schedule: str, n: int, percent: int) -> None:
+        """A budget below what any plan keeps: say so in the widget's own terms, and clear the old
+        plan's numbers and pictures (left on screen, they would read as this setting's)."""
+        costs = self._chain_for(n)[3]
+        plain = sum(cost.saved_bytes for cost in costs)
+        least = _least_memory_plan(costs)[0]
+        least_percent = next((p for p in range(5, 101, 5) if p * plain // 100 >= least), 100)
+        self.result = {"plan": None, "n": n, "schedule": schedule, "parameter": percent}
+        self.readout.value = ""
+        self.plots.layout.display = "none"
+        self.message.value = _note(
+            f"No plan for {n} layers fits a budget of {percent}% = {format_bytes(percent * plain // 100)} "
+            f"of the plain chain's {format_bytes(plain)}: the least any plan keeps is {format_bytes(least)}. "
+            f"Move the <b>budget %</b> slider to {least_percent}% or more, or pick another schedule.")
 
     def _readout(self) -> str:
         r = self.result
@@ -313,26 +384,28 @@ class ScheduleExplorer(WidgetView):
             ("", "measured", "theory (the plan)"),
             ("layer forward calls", f"{r['forward_calls']}", f"{r['theory_forward_calls']} ({same}; "
              f"{r['forward_steps']} of them recompute)"),
-            ("peak", f"{format_bytes(r['peak_bytes'])}<br><small>the whole step</small>",
-             f"at worst {r['theory_peak_activations']} activations kept, {r['peak_checkpoints']} of them "
-             f"checkpoints: {format_bytes(r['theory_peak_bytes'])} by the layers' measured costs "
-             "(an upper bound: parameters, gradients and tensors in flight not counted)"),
+            ("peak memory", f"{format_bytes(r['peak_bytes'])}<br><small>the whole step: activations, "
+             "weights' gradients, tensors in flight</small>",
+             f"{format_bytes(r['theory_peak_bytes'])}<br><small>activations only: at worst "
+             f"{r['theory_peak_activations']} kept, {r['peak_checkpoints']} of them checkpoints, by the layers' "
+             "measured sizes; an upper bound on those, so it can exceed the step's measured peak</small>"),
         ]
         body = "".join("<tr>" + "".join(f"<td {cell}>{value}</td>" for value in row) + "</tr>" for row in rows)
-        return (f"<b>{r['plan']}</b><table style='border-collapse:collapse; max-width:900px'>"
-                f"<colgroup><col style='width:150px'><col style='width:120px'><col></colgroup>{body}</table>")
+        return (f"<div style='font-size:13px; line-height:1.4; overflow-wrap:anywhere'><b>{r['plan']}</b>"
+                f"<table style='border-collapse:collapse; width:100%; table-layout:fixed'>"
+                f"<colgroup><col style='width:22%'><col style='width:30%'><col></colgroup>{body}</table></div>")
 
     def _draw(self, plan: Plan) -> None:
         # The axes, legends and the curve's points are made once per n; an update only swaps
         # the picture's data, moves the dot and rewrites the titles (clearing and rebuilding
-        # the figure cost more than drawing it).
+        # the figures cost more than drawing them).
         if self._drawn_n != plan.n:
             self._build_figure()
         image = schedule_picture(plan)
         self._picture.set_data(image)
         self._picture.set_extent((-0.5, image.shape[1] - 0.5, -0.5, plan.n - 0.5))
-        self._picture_axes.set_title(f"{plan.name}: {plan.forward_steps} recomputed layer forwards, "
-                                     f"at most {plan.peak_slots} checkpoints", fontsize="medium")
+        self._picture_axes.set_title(f"{plan.name}: {plan.forward_steps} recomputed layer forwards,\n"
+                                     f"at most {plan.peak_slots} checkpoints", fontsize=11, **_TEXT)
         r = self.result
         self._dot.set_offsets([[r["forward_calls"], r["peak_bytes"] / self._scale]])
         self._tradeoff_axes.set_ylim(0, max(p["peak_bytes"] for p in self.curve + [r]) / self._scale * 1.1)
@@ -341,26 +414,66 @@ class ScheduleExplorer(WidgetView):
 
     def _build_figure(self) -> None:
         self._figure.clear()
-        picture, tradeoff = self._figure.subplots(
-            1, 2, gridspec_kw=dict(width_ratios=(3, 2), left=0.06, right=0.98, bottom=0.33, top=0.9, wspace=0.2))
+        self._tradeoff_figure.clear()
+        picture = self._figure.add_axes((0.1, 0.3, 0.87, 0.56))
+        tradeoff = self._tradeoff_figure.add_axes((0.17, 0.38, 0.78, 0.48))
         self._picture = picture.imshow(np.zeros((1, 1)), cmap=_PICTURE_COLOURS, vmin=0, vmax=len(_PICTURE_KINDS) - 1,
                                        origin="lower", aspect="auto", interpolation="nearest")
-        picture.set(xlabel="time (layer forward and backward steps)", ylabel="layer i (row: its input x_i)")
+        picture.set_xlabel("time (layer forward and backward steps)", fontsize=10.5, **_TEXT)
+        picture.set_ylabel("layer i (row: its input)", fontsize=10.5, **_TEXT)
         picture.yaxis.set_major_locator(MaxNLocator(integer=True))
-        picture.legend(handles=[Patch(color=colour, label=label) for label, colour in _PICTURE_KINDS[1:]],
-                       loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=3, fontsize="small", frameon=False)
+        picture.tick_params(labelsize=10)
+        legend_text = {"size": 10, "family": palette.FONT_FAMILY}
+        picture.legend(handles=[Patch(facecolor=colour, edgecolor="#666666", label=label)
+                                for label, colour in _PICTURE_KINDS[1:]],
+                       loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, prop=legend_text, frameon=False,
+                       handlelength=1.2, columnspacing=1.0)
         self._scale, unit = (2**20, "MiB") if max(p["peak_bytes"] for p in self.curve) >= 2**21 else (2**10, "KiB")
         for schedule, marker in _MARKERS.items():
             points = [p for p in self.curve if p["schedule"] == schedule]
             if points:
                 tradeoff.scatter([p["forward_calls"] for p in points], [p["peak_bytes"] / self._scale for p in points],
-                                 marker=marker, color=MUTED, label=schedule, zorder=2)
-        self._dot = tradeoff.scatter([1], [0], s=140, color=HIGHLIGHT, zorder=3, edgecolor="black", label="this plan")
+                                 marker=marker, color=palette.MUTED, label=schedule, zorder=2)
+        self._dot = tradeoff.scatter([1], [0], s=120, color=palette.HIGHLIGHT, zorder=3, edgecolor="white",
+                                     label="this plan")
         tradeoff.set_xscale("log")
         tradeoff.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
         tradeoff.xaxis.set_major_formatter(FuncFormatter(lambda value, _position: f"{value:g}"))
         tradeoff.xaxis.set_minor_formatter(NullFormatter())
-        tradeoff.set(xlabel="layer forward calls per step (log)", ylabel=f"step peak ({unit})")
-        tradeoff.set_title(f"Memory vs compute, all schedules at n={self.n.value}", fontsize="medium")
-        tradeoff.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncols=4, fontsize="small", frameon=False)
+        tradeoff.tick_params(labelsize=10)
+        tradeoff.set_xlabel("layer forward calls per step (log)", fontsize=10.5, **_TEXT)
+        tradeoff.set_ylabel(f"step peak, measured ({unit})", fontsize=10.5, **_TEXT)
+        tradeoff.set_title(f"Memory vs compute, every schedule\nat n={self.n.value}", fontsize=11, **_TEXT)
+        tradeoff.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, prop=legend_text, frameon=False,
+                        handletextpad=0.2, columnspacing=0.8)
         self._picture_axes, self._tradeoff_axes, self._drawn_n = picture, tradeoff, self.n.value
+
+
+class _Frozen:
+    """While a setting is measured: every control disabled and a note that says so; restored after."""
+
+    def __init__(self, explorer: ScheduleExplorer) -> None:
+        self.explorer = explorer
+
+    def __enter__(self) -> None:
+        e = self.explorer
+        self.controls = [(c, c.disabled) for c in (e.schedule, e.n, e.parameter)]
+        for control, _ in self.controls:
+            control.disabled = True
+        e.message.value = _note("Measuring this setting (a new n measures every schedule of the curve: a few "
+                                "seconds at n=64); the controls come back when it is done.", busy=True)
+
+    def __exit__(self, *exc: object) -> None:
+        for control, was_disabled in self.controls:
+            control.disabled = was_disabled
+        if self.explorer.message.value.startswith("<div data-busy"):
+            self.explorer.message.value = ""
+
+
+def _note(html_text: str, busy: bool = False) -> str:
+    """A message box that wraps (never one clipped line)."""
+    colour = palette.MUTED if busy else palette.LIMIT
+    return (f"<div {'data-busy ' if busy else ''}style='font-size:13px; line-height:1.4; padding:6px 10px; "
+            f"margin:4px 0; border-left:4px solid {colour}; background:#F6F6F6; overflow-wrap:anywhere'>"
+            f"{html_text}</div>")
+

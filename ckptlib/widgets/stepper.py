@@ -6,12 +6,15 @@ Design notes
 What it shows. ``ckptlib.widgets._replay`` observes the step (exact live bytes, the
 checkpoint trace, every saved tensor; see its notes) and hands over one frame per event.
 This module only shows a frame: its words, the live bytes so far as a timeline with a
-cursor, and the autograd graph with every saved tensor in its state at that moment.
+cursor, how many saved tensors are in each state, and the autograd graph with every saved
+tensor in its state at that moment.
 
-One graph, many pictures. The graph is built once, after forward. A frame's picture is that
-graph with each saved tensor's status replaced (``dataclasses.replace``: saved is drawn as
-kept, released as freed; tensors not packed yet are left out), rendered by Graphviz once
-per distinct set of states and cached, so stepping back and forth costs nothing new.
+One graph, laid out once. ``ckptlib.widgets._stepper_picture`` draws the graph after
+forward with every saved tensor of the step in it, once; an event only recolours its boxes
+(pale until packed, then saved, dropped, recomputed, released), so nothing moves, and the
+legend and the counts beside it are fixed in place. The counts are of what is drawn: one
+box per memory; a leaf's own memory is the dashed edge to that leaf; what a checkpoint
+keeps to rerun from is not a node of the graph and is counted on a line of its own.
 
 A cursor without redrawing. The timeline is one PNG, drawn once; the cursor and the dot on
 it are HTML laid over the picture at the frame's place, so a step only moves two HTML elements.
@@ -19,6 +22,7 @@ it are HTML laid over the picture at the frame's place, so a step only moves two
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any, Callable
 
 import ipywidgets as widgets
@@ -26,20 +30,22 @@ import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ckptlib.graph import AutogradGraph, render_svg, to_dot
+from ckptlib import palette
+from ckptlib.graph import AutogradGraph
+from ckptlib.graph.raster import svg_to_png
 from ckptlib.memory import format_bytes
 from ckptlib.widgets._replay import STATES, StepReplay, describe, make_step
-from ckptlib.widgets._view import HIGHLIGHT, PHASE_COLOURS, WidgetView, png_bytes, png_data_uri
+from ckptlib.widgets._stepper_picture import (
+    NARROW_BELOW_PX, NARROW_WINDOW_PT, NOT_YET, STATE_STYLES, StepPicture,
+)
+from ckptlib.widgets._view import WidgetView, png_bytes, png_data_uri
 
 __all__ = ["BackwardStepper", "STATES"]
 
 # A saved tensor's state -> the status ckptlib.graph draws it with.
 _GRAPH_STATUS = {"saved": "kept", "dropped": "dropped", "recomputed": "recomputed", "released": "freed"}
-TIMELINE_PX = (368, 208)   # the timeline picture's size on screen
-# How a state looks in the legend beside the timeline: as ckptlib.graph draws that status.
-_CHIP = {"saved": "background:orange", "dropped": "border:1px dashed darkorange; background:white",
-         "recomputed": "border:1px dashed darkorange; background:plum",
-         "released": "border:1px dotted grey; background:white"}
+TIMELINE_PX = (340, 185)   # the timeline picture's size on screen (drawn at twice the pixels)
+_NUMBERS = itertools.count()
 
 
 class BackwardStepper(WidgetView):
@@ -49,8 +55,13 @@ class BackwardStepper(WidgetView):
     anything with ``loss``, ``example_batch`` and a ``checkpointing`` switch): the step is
     ``model.training_step(model.example_batch(batch))``. ``BackwardStepper(fn, *inputs)``
     for a function that calls ``ckptlib.checkpoint`` inside: the step is
-    ``fn(*inputs).sum().backward()`` (no ``.sum()`` for a scalar), after the ``.grad`` of
-    the inputs is reset to ``None``.
+    ``fn(*inputs).sum().backward()`` (no ``.sum()`` for a scalar), after the ``.grad`` of the
+    inputs and of every leaf the step reaches (the parameters ``fn`` uses) is reset to
+    ``None``. Inputs may be nested (a dict or list of tensors) and need not require grad
+    (token ids): the step has a backward as soon as ``fn``'s output requires grad.
+
+    The graph is laid out once, with every saved tensor of the step in it; an event only
+    recolours it (``svg(k)``), so nodes stay where they are from the first event to the last.
 
     Args:
         batch: the demo model's batch size (``example_batch(batch)``).
@@ -95,47 +106,66 @@ class BackwardStepper(WidgetView):
     def __init__(self, model_or_fn: torch.nn.Module | Callable[..., torch.Tensor], *inputs: Any,
                  batch: int = 2, collapse: str | None = None, all_ops: bool = False) -> None:
         replay = StepReplay(make_step(model_or_fn, inputs, batch), all_ops)
-        self._collapse = collapse
         self.frames, self.tensors, self.peak_bytes = replay.frames, replay.tensors, replay.peak_bytes
         self._graph, self._slot_of_label = replay.graph, replay.slot_of_label
         self._region_of_raw = replay.region_of_raw
-        self._svg_cache: dict[tuple, str] = {}
+        self.picture = StepPicture(replay.graph, replay.slot_of_label, replay.region_of_raw,
+                                   replay.sequence_of_node, collapse)
+        self._forward_done = list(itertools.accumulate(frame["phase"] != "forward" for frame in self.frames))
+        focuses = [self.picture.focus(f["tensor"], f["states"], done)
+                   for f, done in zip(self.frames, self._forward_done)]
+        self._windows = {"wide": self.picture.windows(focuses, self.picture.width),
+                         "narrow": self.picture.windows(focuses, NARROW_WINDOW_PT)}
+        self._css_class = f"ckptlib-stepper-{next(_NUMBERS)}"
         self._timeline_png, self._axes_box, self._y_limits = self._draw_timeline()
 
         last = len(self.frames) - 1
         # No readout: the slider counts from 0 (frames[k]), the caption from 1 ("28/53"); one
         # number on screen, not two that differ by one.
         self.position = widgets.IntSlider(value=0, min=0, max=last, description="event", readout=False,
-                                          continuous_update=False, layout=widgets.Layout(width="420px"))
-        self.play = widgets.Play(value=0, min=0, max=last, interval=500, description="Play")
+                                          continuous_update=False,
+                                          layout=widgets.Layout(flex="1 1 200px", min_width="120px"))
+        self.play = widgets.Play(value=0, min=0, max=last, interval=700, description="Play")
         widgets.jslink((self.play, "value"), (self.position, "value"))
         self.prev_button = widgets.Button(description="Prev", icon="step-backward",
-                                          layout=widgets.Layout(width="80px"))
+                                          layout=widgets.Layout(width="80px", flex="0 0 auto"))
         self.next_button = widgets.Button(description="Next", icon="step-forward",
-                                          layout=widgets.Layout(width="80px"))
+                                          layout=widgets.Layout(width="80px", flex="0 0 auto"))
         self.prev_button.on_click(lambda _button: self._move(-1))
         self.next_button.on_click(lambda _button: self._move(+1))
-        self.caption = widgets.HTML()
-        # The graph gets the whole width (it is wide: every saved tensor is a box of its own).
-        self.graph_view = widgets.HTML(layout=widgets.Layout(max_height="640px", overflow="auto"))
+        self.caption = widgets.HTML(layout=widgets.Layout(min_height="44px"))
+        self.graph_view = widgets.HTML(layout=widgets.Layout(width="100%"))
         self.timeline_view = widgets.HTML(layout=widgets.Layout(flex="0 0 auto"))
-        self.states_view = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", margin="0 0 0 16px"))
+        self.states_view = widgets.HTML(layout=widgets.Layout(flex="1 1 260px", margin="0 0 0 12px",
+                                                              min_width="0"))
         for name, widget in (("stepper-prev", self.prev_button), ("stepper-next", self.next_button),
                              ("stepper-position", self.position), ("stepper-caption", self.caption),
                              ("stepper-graph", self.graph_view), ("stepper-timeline", self.timeline_view),
                              ("stepper-states", self.states_view)):
             widget.add_class(f"ckptlib-{name}")  # stable handles for the browser test
         self.position.observe(lambda change: self._show(change["new"]), names="value")
+        # Controls, words, counts and the timeline first, then the graph's window: the part that
+        # changes sits right under the controls.
         self.widget = widgets.VBox([
-            widgets.HBox([self.prev_button, self.next_button, self.play, self.position]),
+            widgets.HBox([self.prev_button, self.next_button, self.play, self.position],
+                         layout=widgets.Layout(flex_flow="row wrap", align_items="center")),
             self.caption,
-            widgets.HBox([self.timeline_view, self.states_view]),
+            widgets.HBox([self.timeline_view, self.states_view], layout=widgets.Layout(flex_flow="row wrap")),
             self.graph_view,
-        ])
+        ], layout=widgets.Layout(max_width="1100px"))
         self._show(0)
 
     def _text(self) -> str:
-        return f"BackwardStepper({len(self.frames)} events, peak {format_bytes(self.peak_bytes)})"
+        frame = self.frames[self.position.value]
+        return (f"BackwardStepper({len(self.frames)} events, peak {format_bytes(self.peak_bytes)}; "
+                f"event {self.position.value + 1}: {frame['text']})")
+
+    def _static_png(self) -> bytes:
+        """The whole graph at the current event, as a picture (for front ends without the widget)."""
+        frame, picture = self.frames[self.position.value], self.picture
+        svg = picture.svg(frame["states"], self._forward_done[self.position.value], frame["tensor"],
+                          (0.0, 0.0, picture.width, picture.height))
+        return svg_to_png(svg, dpi=144)
 
     # -- the view -------------------------------------------------------------------
     def _move(self, delta: int) -> None:
@@ -143,31 +173,56 @@ class BackwardStepper(WidgetView):
 
     def _show(self, index: int) -> None:
         frame = self.frames[index]
-        self.caption.value = (f"<div style='font-size:14px; padding:4px 0'><b>{index + 1}/{len(self.frames)}"
-                              f"</b> · {_escape(frame['text'])} · live {format_bytes(frame['live_bytes'])}</div>")
-        self.graph_view.value = self.svg(index)
+        self.caption.value = (f"<div style='font-size:14px; line-height:1.4; padding:4px 0; overflow-wrap:anywhere'>"
+                              f"<b>{index + 1}/{len(self.frames)}</b> · {_escape(frame['text'])} · "
+                              f"live {format_bytes(frame['live_bytes'])}</div>")
+        self.graph_view.value = self._graph_html(index)
         self.timeline_view.value = self._timeline_html(index)
         self.states_view.value = self._states_html(index)
         self.prev_button.disabled = index == 0
         self.next_button.disabled = index == len(self.frames) - 1
 
+    def counts(self, index: int) -> dict[str, int]:
+        """How many drawn boxes are in each state at frame ``index`` (one box per memory), with
+        ``"leaf edges"`` (a leaf's own memory, drawn as the dashed edge to it) and ``"inputs kept"``
+        (what checkpoints keep to rerun from, not drawn) on their own."""
+        states = self.frames[index]["states"]
+        shown = self.picture.box_states(states)
+        counts = {state: sum(shown[box] == state for box in self.picture.boxes) for state in STATE_STYLES}
+        counts["leaf edges"] = len(self.picture.leaf_edges)
+        counts["inputs kept"] = sum(state == "saved" for label, state in states.items()
+                                    if label not in self.picture.element_of and label.endswith(
+                                        tuple(["input"] + [f"input #{k}" for k in range(10)])))
+        return counts
+
     def _states_html(self, index: int) -> str:
         frame = self.frames[index]
-        counts = {state: 0 for state in STATES}
-        for state in frame["states"].values():
-            counts[state] += 1
-        chips = "".join(f"<div style='margin:3px 0'><span style='display:inline-block; width:14px; height:10px; "
-                        f"margin-right:6px; {_CHIP[state]}'></span>{state}: <b>{count}</b></div>"
-                        for state, count in counts.items())
-        lines = [f"<div style='font-weight:bold; margin-bottom:4px'>saved tensors now</div>{chips}"]
+        counts = self.counts(index)
+        chips = "".join(
+            f"<span style='display:inline-flex; align-items:center; margin:2px 12px 2px 0; white-space:nowrap'>"
+            f"{_chip(state)}{state}: <b style='margin-left:4px'>{counts[state]}</b></span>"
+            for state in STATE_STYLES)
+        lines = [f"<div style='font-weight:bold; margin-bottom:2px'>saved tensors in the graph (boxes)</div>"
+                 f"<div style='display:flex; flex-wrap:wrap'>{chips}</div>"]
+        notes = []
+        if counts["leaf edges"]:
+            notes.append(f"{counts['leaf edges']} more are a leaf's own memory (a parameter, the batch): "
+                         "the dashed edge to that leaf")
+        if counts["inputs kept"]:
+            notes.append(f"{counts['inputs kept']} checkpoint input(s) kept to rerun from (not a box)")
+        notes.append("ops forward has not run yet are pale")
+        lines.append(f"<div style='color:#555; margin-top:2px'>{'; '.join(notes)}.</div>")
         label = frame["tensor"]
         if label is not None and label in self.tensors:
             info = self.tensors[label]
             where = f" · {info['node']}.{info['attribute']}" if info.get("node") else ""
-            lines.append(f"<div style='margin-top:8px'>this event: <b>{_escape(label)}</b>{_escape(where)} · "
+            lines.append(f"<div style='margin-top:6px'>this event: <b>{_escape(label)}</b>{_escape(where)} · "
                          f"{describe(info['shape'], info['dtype'], info['nbytes'])} · now "
-                         f"<b>{frame['states'].get(label, '-')}</b></div>")
-        return "<div style='font-size:13px'>" + "".join(lines) + "</div>"
+                         f"<b>{frame['states'].get(label, '-')}</b>"
+                         + (" (its box has a thick border)" if label in self.picture.element_of else "")
+                         + "</div>")
+        return ("<div style='font-size:13px; line-height:1.45; overflow-wrap:anywhere'>"
+                + "".join(lines) + "</div>")
 
     def graph_at(self, index: int) -> AutogradGraph:
         """The autograd graph with every saved tensor drawn in its state at frame ``index``
@@ -183,33 +238,54 @@ class BackwardStepper(WidgetView):
             nodes.append(dataclasses.replace(node, saved=saved) if saved != node.saved else node)
         return dataclasses.replace(self._graph, nodes=nodes)
 
-    def svg(self, index: int) -> str:
-        """The SVG of :meth:`graph_at` (rendered once per distinct set of states)."""
-        states = self.frames[index]["states"]
-        key = tuple(sorted((label, states[label]) for label in self._slot_of_label if label in states))
-        if key not in self._svg_cache:
-            svg = render_svg(to_dot(self.graph_at(index), collapse=self._collapse))
-            # No XML prologue inside HTML; scaled down to the view's width, never up.
-            svg = svg[svg.index("<svg"):].replace("<svg", "<svg style='max-width:100%; height:auto'", 1)
-            self._svg_cache[key] = svg
-        return self._svg_cache[key]
+    def svg(self, index: int, window: str = "wide") -> str:
+        """The graph at frame ``index`` as SVG: laid out once, recoloured for that frame, cut to the
+        window the view shows (``"wide"``: the whole width; ``"narrow"``: for a narrow page)."""
+        frame = self.frames[index]
+        return self.picture.svg(frame["states"], self._forward_done[index], frame["tensor"],
+                                self._windows[window][index])
+
+    def _graph_html(self, index: int) -> str:
+        # Two windows, one shown: a container query picks by the notebook's width.
+        name = self._css_class
+        style = (f"<style>.{name} {{container-type:inline-size; width:100%}}"
+                 f"@container (max-width:{NARROW_BELOW_PX}px) {{.{name} .wide {{display:none}}}}"
+                 f"@container (min-width:{NARROW_BELOW_PX + 1}px) {{.{name} .narrow {{display:none}}}}</style>")
+        parts = []
+        for kind in ("wide", "narrow"):
+            x, y, w, h = self._windows[kind][index]
+            full_w, full_h = self.picture.width, self.picture.height
+            bar = (f"<div title='the part of the graph in view' style='flex:0 0 6px; position:relative; "
+                   f"background:#EEEEEE; margin-left:4px'><div style='position:absolute; left:0; right:0; "
+                   f"top:{100 * y / full_h:.1f}%; height:{100 * h / full_h:.1f}%; background:#999999'></div></div>")
+            note = ("" if (w, h) == (full_w, full_h) else
+                    "<div style='font-size:12px; color:#555'>part of the graph: the view follows the event "
+                    "(the grey bar on the right: where it is)</div>")
+            parts.append(f"<div class='{kind}'>{note}<div style='display:flex'><div style='flex:1 1 auto; "
+                         f"min-width:0'>{self.svg(index, kind)}</div>{bar}</div></div>")
+        return style + f"<div class='{name}'>{''.join(parts)}</div>"
 
     def _draw_timeline(self) -> tuple[bytes, tuple[float, float, float, float], tuple[float, float]]:
         figure = Figure(figsize=(TIMELINE_PX[0] / 80, TIMELINE_PX[1] / 80), dpi=80)
-        axes = figure.add_axes((0.17, 0.2, 0.78, 0.66))
+        axes = figure.add_axes((0.16, 0.36, 0.8, 0.5))
         unit, scale = _unit(self.peak_bytes)
         live = [frame["live_bytes"] / scale for frame in self.frames]
         axes.bar(range(len(live)), live, width=1.0, linewidth=0,
-                 color=[PHASE_COLOURS[frame["phase"]] for frame in self.frames])
+                 color=[palette.PHASES[frame["phase"]] for frame in self.frames])
         axes.set_xlim(-0.5, len(live) - 0.5)
-        axes.set_ylim(0, max(live) * 1.15 or 1)
-        axes.set(xlabel="event", ylabel=f"live memory ({unit})",
-                 title=f"Live memory per event: peak {format_bytes(self.peak_bytes)}")
-        phases = {frame["phase"] for frame in self.frames}
-        axes.legend(handles=[Patch(color=colour, label=phase) for phase, colour in PHASE_COLOURS.items()
-                             if phase in phases], loc="upper left", fontsize="x-small", ncols=3, frameon=False)
+        axes.set_ylim(0, max(live) * 1.2 or 1)
+        text = {"fontsize": 10, "family": palette.FONT_FAMILY}
+        axes.set_xlabel("event", **text)
+        axes.set_ylabel(f"live ({unit})", **text)
+        axes.set_title(f"Live memory per event: peak {format_bytes(self.peak_bytes)}", fontsize=10.5,
+                       family=palette.FONT_FAMILY)
+        axes.tick_params(labelsize=10)
+        phases = [phase for phase in palette.PHASES if phase in {frame["phase"] for frame in self.frames}]
+        figure.legend(handles=[Patch(color=palette.PHASES[phase], label=phase) for phase in phases],
+                      loc="lower center", ncols=3, frameon=False, prop={"size": 10, "family": palette.FONT_FAMILY},
+                      handlelength=1.0, columnspacing=1.0, borderaxespad=0.1)
         box = axes.get_position()
-        return png_bytes(figure), (box.x0, box.x1, box.y0, box.y1), axes.get_ylim()
+        return png_bytes(figure, scale=2), (box.x0, box.x1, box.y0, box.y1), axes.get_ylim()
 
     def _timeline_html(self, index: int) -> str:
         x0, x1, y0, y1 = self._axes_box
@@ -219,9 +295,17 @@ class BackwardStepper(WidgetView):
         return (f"<div style='position:relative; width:{TIMELINE_PX[0]}px; height:{TIMELINE_PX[1]}px'>"
                 f"<img src='{png_data_uri(self._timeline_png)}' style='width:{TIMELINE_PX[0]}px; display:block'>"
                 f"<div style='position:absolute; left:{left:.2f}%; top:{100 * (1 - y1):.1f}%; "
-                f"height:{100 * (y1 - y0):.1f}%; border-left:2px solid {HIGHLIGHT}'></div>"
+                f"height:{100 * (y1 - y0):.1f}%; border-left:2px solid {palette.HIGHLIGHT}'></div>"
                 f"<div style='position:absolute; left:calc({left:.2f}% - 4px); top:calc({100 * (1 - dot):.1f}% - 4px);"
-                f" width:9px; height:9px; border-radius:50%; background:{HIGHLIGHT}'></div></div>")
+                f" width:9px; height:9px; border-radius:50%; background:{palette.HIGHLIGHT}'></div></div>")
+
+
+def _chip(state: str) -> str:
+    """A small sample of how the graph draws a box in ``state``."""
+    fill, line, dash = STATE_STYLES[state]
+    border = "dashed" if dash and dash.startswith("5") else "dotted" if dash else "solid"
+    return (f"<span style='display:inline-block; width:16px; height:11px; margin-right:5px; background:{fill}; "
+            f"border:1.5px {border} {line}'></span>")
 
 
 def _unit(peak_bytes: int) -> tuple[str, int]:

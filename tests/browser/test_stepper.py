@@ -1,9 +1,11 @@
-"""BackwardStepper in JupyterLab, in a real Chromium: Next, the slider, Play move the replay.
+"""BackwardStepper in JupyterLab, in a real Chromium, at 1100 and 1280 px wide.
 
 A notebook of its own builds the stepper for a 3-block MLP with a checkpoint per block and
 puts the slider just before the first rerun's first pack. Clicking Next shows that pack: the
-caption says so and the graph draws a recomputed tensor it did not draw before. Play then
-moves the slider by itself (the link lives in the browser). A screenshot is kept either way.
+caption says so and the graph recolours a box recomputed, with every node where it was.
+Nothing is cut off at either width, the caption wraps, the graph's text is readable, and the
+box the event is about is on screen together with the controls. Play then moves the slider by
+itself (the link lives in the browser). Screenshots are kept either way.
 """
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import re
 
 import pytest
 
+from .layout_checks import assert_nothing_clipped
 from .widget_notebooks import assert_widgets_rendered, open_and_run, text_of, write_notebook
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(400)]
 
 CELLS = [
     "from ckptlib.models import MLPChain\nfrom ckptlib.widgets import BackwardStepper",
@@ -23,6 +26,14 @@ CELLS = [
     "stepper",
 ]
 CAPTION = re.compile(r"^(\d+)/(\d+) · (.*)$", re.S)
+WAIT_MS = 30_000
+# The SVG in view (a container query shows one of two windows), its nodes' outlines by title.
+NODE_OUTLINES = """() => {
+    const svg = [...document.querySelectorAll('.ckptlib-stepper-graph svg')].find(s => s.getBoundingClientRect().width > 0);
+    return Object.fromEntries([...svg.querySelectorAll('g.node')].map(
+        g => [g.querySelector('title').textContent.split(':')[0], g.querySelector('polygon').getAttribute('points')]));
+}"""
+VISIBLE_SVG = "[...document.querySelectorAll('.ckptlib-stepper-graph svg')].find(s => s.getBoundingClientRect().width > 0)"
 
 
 def caption(page) -> tuple[int, int, str]:
@@ -31,50 +42,87 @@ def caption(page) -> tuple[int, int, str]:
     return int(match[1]), int(match[2]), match[3]
 
 
-def test_next_and_play_step_through_the_rerun(lab, page, artifacts):
-    path = write_notebook(lab, "stepper_browser_test", CELLS)
-    page.set_viewport_size({"width": 1400, "height": 1300})   # the whole widget in one picture
+@pytest.mark.parametrize("width", [1100, 1280])
+def test_next_and_play_step_through_the_rerun(lab, page, artifacts, width):
+    path = write_notebook(lab, f"stepper_browser_test_{width}", CELLS)
+    page.set_viewport_size({"width": width, "height": 800})
     try:
         open_and_run(page, lab, path, ".ckptlib-stepper-caption")
         assert_widgets_rendered(page)
         position, count, text = caption(page)
         assert "block 2 reruns" in text or "loads its kept input" in text, text
-        graph = page.locator(".ckptlib-stepper-graph svg")
-        assert graph.count() == 1 and "recomputed" not in graph.inner_html()
+        page.locator(".ckptlib-stepper-next").scroll_into_view_if_needed()
+        page.evaluate("() => document.querySelector('.ckptlib-stepper-next').scrollIntoView({block: 'start'})")
+        before = page.evaluate(NODE_OUTLINES)
+        assert len(before) > 10 and ": recomputed" not in page.locator(".ckptlib-stepper-graph").inner_html()
 
         page.locator(".ckptlib-stepper-next").click()
         page.wait_for_function(
             "(p) => document.querySelector('.ckptlib-stepper-caption').innerText.trim().startsWith(`${p + 1}/`)",
-            arg=position, timeout=20_000)
+            arg=position, timeout=WAIT_MS)
         _, _, text = caption(page)
         assert text.startswith("block 2 rerun: packs tensor #0"), text
-        # The graph's picture arrives in a message of its own, after the caption's.
+        # The graph's picture and the counts arrive in messages of their own: wait for them.
         page.wait_for_function(
-            "() => document.querySelector('.ckptlib-stepper-graph svg').innerHTML.includes('recomputed')",
-            timeout=20_000)
-        # So does the states' list (a message of its own too: wait for it, do not race it).
+            "() => document.querySelector('.ckptlib-stepper-graph').innerHTML.includes(': recomputed</title>')",
+            timeout=WAIT_MS)
         page.wait_for_function(
-            "() => document.querySelector('.ckptlib-stepper-states').innerHTML.includes('recomputed: <b>1</b>')",
-            timeout=20_000)
-        # The timeline's cursor moved with it (its position is a percentage of the picture).
+            "() => /recomputed:\\s*1(?!\\d)/.test(document.querySelector('.ckptlib-stepper-states').textContent)",
+            timeout=WAIT_MS)
+        # Laid out once: every node is where it was, only its colours changed.
+        assert page.evaluate(NODE_OUTLINES) == before
         assert page.locator(".ckptlib-stepper-timeline img").evaluate("img => img.naturalWidth") > 0
+
+        # What changed is on screen with the controls, and readable.
+        page.wait_for_timeout(500)
+        view = page.evaluate(f"""() => {{
+            const svg = {VISIBLE_SVG};
+            const current = [...svg.querySelectorAll('g.node polygon')].find(p => p.getAttribute('stroke-width') === '2.5');
+            const text = svg.querySelector('g.node text');
+            return {{current: current && current.getBoundingClientRect().toJSON(),
+                     next: document.querySelector('.ckptlib-stepper-next').getBoundingClientRect().toJSON(),
+                     textHeight: text.getBoundingClientRect().height}};
+        }}""")
+        assert view["current"] is not None, "no box of the event drawn"
+        assert view["current"]["top"] >= 0 and view["current"]["bottom"] <= 800, view
+        assert view["next"]["top"] >= 0 and view["next"]["bottom"] <= 800, view
+        assert view["textHeight"] >= 10.5, f"the graph's text is {view['textHeight']:.1f} px tall"
+        assert_nothing_clipped(page, ".ckptlib-stepper-caption, .ckptlib-stepper-states, .ckptlib-stepper-graph, "
+                                     ".ckptlib-stepper-timeline")
+        page.screenshot(path=str(artifacts / f"stepper_{width}_rerun.png"))
 
         page.locator(".ckptlib-stepper-prev").click()
         page.wait_for_function(
             "(p) => document.querySelector('.ckptlib-stepper-caption').innerText.trim().startsWith(`${p}/`)",
-            arg=position, timeout=20_000)
+            arg=position, timeout=WAIT_MS)
 
         play = page.locator(".widget-play button").first
         play.click()                                           # Play (the same button pauses)
         page.wait_for_function(
             "(p) => Number(document.querySelector('.ckptlib-stepper-caption').innerText.split('/')[0]) > p + 2",
-            arg=position, timeout=30_000)
+            arg=position, timeout=WAIT_MS)
         play.click()
         paused_at = caption(page)[0]
-        page.wait_for_timeout(1500)                            # two intervals: it stays where it paused
+        page.wait_for_timeout(2000)                            # two intervals: it stays where it paused
         assert caption(page)[0] == paused_at and paused_at > position + 2 and caption(page)[1] == count
-        assert "recomputed" in page.locator(".ckptlib-stepper-graph svg").inner_html()
-        # The last block, rerunning, is at the bottom of the graph's own scroll box.
-        page.locator(".ckptlib-stepper-graph").evaluate("box => { box.scrollTop = box.scrollHeight; }")
+        assert page.evaluate(NODE_OUTLINES) == before
     finally:
-        page.screenshot(path=str(artifacts / "stepper.png"))
+        page.screenshot(path=str(artifacts / f"stepper_{width}.png"))
+
+
+def test_the_first_event_shows_no_backward_graph_yet(lab, page, artifacts):
+    cells = ["from ckptlib.models import MLPChain\nfrom ckptlib.widgets import BackwardStepper\n"
+             "BackwardStepper(MLPChain(depth=3, width=16, checkpointing='block'), batch=2)"]
+    path = write_notebook(lab, "stepper_first_event", cells)
+    page.set_viewport_size({"width": 1280, "height": 800})
+    try:
+        open_and_run(page, lab, path, ".ckptlib-stepper-caption")
+        assert caption(page)[0] == 1
+        pale = page.evaluate(f"""() => [...{VISIBLE_SVG}.querySelectorAll('g.node')]
+            .filter(g => /^n\\d+$/.test(g.querySelector('title').textContent))
+            .map(g => g.querySelector('polygon').getAttribute('fill'))""")
+        # Ops forward has not made yet are pale; the leaves (weights, biases) are there already.
+        assert "#F7F7F7" in pale and "lightgrey" not in pale, pale
+        page.evaluate("() => document.querySelector('.ckptlib-stepper-next').scrollIntoView({block: 'start'})")
+    finally:
+        page.screenshot(path=str(artifacts / "stepper_first_event.png"))
