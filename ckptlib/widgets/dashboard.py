@@ -91,7 +91,7 @@ LIMIT_SHOWN = 2.5   # the memory limit is drawn when it is at most this many tim
 REVOLVE_SLOTS = 2
 REVOLVE = f"Revolve ({REVOLVE_SLOTS} slots)"
 # The plot: its size on screen (CSS pixels at 80 per inch) and the scale it is drawn at.
-FIGURE_INCHES, SCREEN_DPI, DRAW_SCALE = (10, 3.6), 80, 2
+FIGURE_INCHES, SCREEN_DPI, DRAW_SCALE = (8.2, 3.4), 80, 2   # 656 px: fits 1100 px with the side panel open
 FONT_PT = 10        # 10 pt at 80 px per inch: 11 px on screen
 # What a model passed to the dashboard must have, and why.
 MODEL_NEEDS = {
@@ -291,8 +291,8 @@ class MemoryDashboard(WidgetView):
         self.steps = widgets.IntSlider(value=steps, min=1, max=max(10, steps), description="steps")
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         # Two lines' room for the readout: a longer one wraps below the plot and moves nothing.
-        self.readout = widgets.HTML(layout=widgets.Layout(min_height="44px", width="100%"))
-        self.message = widgets.HTML(value="", layout=widgets.Layout(width="100%"))
+        self.readout = widgets.HTML(layout=widgets.Layout(min_height="44px"))
+        self.message = widgets.HTML(value="")
         width_px = FIGURE_INCHES[0] * SCREEN_DPI
         self.plot = widgets.Image(format="png", layout=widgets.Layout(width=f"{width_px}px", max_width="100%",
                                                                        height="auto"))
@@ -309,6 +309,7 @@ class MemoryDashboard(WidgetView):
             widgets.HBox([self.depth, self.batch, self.steps], layout=widgets.Layout(**controls)),
             self.plot, self.readout, self.message,
         ], layout=widgets.Layout(max_width="100%"))
+        self.widget.add_class("ckptlib-dashboard")
         self._figure = Figure(figsize=FIGURE_INCHES, dpi=SCREEN_DPI * DRAW_SCALE)
         self._say_readout("Press Run to measure a training step.")
         self._draw_placeholder()
@@ -620,8 +621,8 @@ class MemoryDashboard(WidgetView):
         # Fixed rectangles: a layout engine would cost as much as the drawing itself. The bars
         # are horizontal so that their names, one per line, can never overlap; the left edge of
         # the bars leaves room for the longest schedule name at FONT_PT.
-        return (self._figure.add_axes((0.07, 0.15, 0.47, 0.72)),
-                self._figure.add_axes((0.755, 0.15, 0.225, 0.72)))
+        return (self._figure.add_axes((0.085, 0.15, 0.42, 0.67)),
+                self._figure.add_axes((0.76, 0.15, 0.215, 0.67)))
 
     @staticmethod
     def _style(axes: Any) -> None:
@@ -668,19 +669,19 @@ class MemoryDashboard(WidgetView):
         if not fits:
             timeline_axes.plot(index[-1:], live_mib[-1:], "x", color=palette.LIMIT, markersize=10, mew=2.5,
                                label="stopped: did not fit")
-        timeline_axes.set_ylim(0, top * 1.35 or 1)   # headroom for the legend above the curve
+        timeline_axes.set_ylim(0, top * 1.5 or 1)   # headroom for the legend above the curve
         title = (f"peak {outcome['peak_bytes'] / MiB:.2f} MiB" if fits else
                  f"did not fit, stopped at op #{index[-1]}")
         timeline_axes.set(xlabel="op index in the step", ylabel="live memory (MiB)",
-                          title=f"One step, {self._settings_label(outcome)}: {title}")
+                          title=f"One step: {title}\n{self._settings_label(outcome)}")
         handles, labels = timeline_axes.get_legend_handles_labels()
         if limit_off_chart:
             # The limit is far above the curve: not drawn, but its legend entry keeps its colour sample.
             handles.append(Line2D([], [], color=palette.LIMIT, linestyle="--", linewidth=1.5,
-                                  label=f"{limit_label}: off the scale"))
+                                  label=f"{limit_label} (off scale)"))
         if outcome["schedule"] == "per block (torch)" and _top_hooks is None:
             handles.append(Patch(color="none", label="torch's rerun: not told apart from backward"))
-        timeline_axes.legend(handles=handles, loc="upper left", fontsize=FONT_PT, ncols=3, frameon=False,
+        timeline_axes.legend(handles=handles, loc="upper left", fontsize=FONT_PT, ncols=2, frameon=False,
                              handlelength=1.5, columnspacing=1.0, borderaxespad=0.3)
         self._draw_bars(peaks_axes, outcome)
         for axes in (timeline_axes, peaks_axes):
@@ -701,11 +702,12 @@ class MemoryDashboard(WidgetView):
         limit_drawn = math.isfinite(limit_mib) and limit_mib <= LIMIT_SHOWN * max(values, default=0)
         # The numbers stand in one column right of every bar and of the limit line, so that no
         # label ("did not fit" least of all) can sit on the line.
-        column = max(values + ([limit_mib] if limit_drawn else []), default=1) * 1.04
+        column = max(values + ([limit_mib] if limit_drawn else []), default=1) * 1.07
         for row, (value, result) in enumerate(zip(values, bars.values())):
             axes.text(column, row, f"{value:.1f}" if "peak_bytes" in result else "did not fit",
                       va="center", ha="left", color=palette.LIMIT if "peak_bytes" not in result else "black")
-        axes.set_xlim(0, column * 1.45)
+        # Room right of the column for its widest entry: "did not fit" is longer than a number.
+        axes.set_xlim(0, column * (1.95 if any("peak_bytes" not in o for o in bars.values()) else 1.45))
         if limit_drawn:
             axes.axvline(limit_mib, color=palette.LIMIT, linestyle="--", linewidth=1.5)
             axes.text(limit_mib, -0.8, "limit", color=palette.LIMIT, ha="center", va="center",

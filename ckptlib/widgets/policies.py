@@ -206,6 +206,7 @@ class PolicyExplorer(WidgetView):
             self.table,
             widgets.Box([self.summary, self.plot], layout=widgets.Layout(**wrap)),  # side by side where they fit
         ], layout=widgets.Layout(max_width="100%"))
+        self.widget.add_class("ckptlib-policy-explorer")
         self._figure = Figure(figsize=FIGURE_INCHES, dpi=SCREEN_DPI * DRAW_SCALE)
         self.update()
 
