@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import re
 import statistics
 
 import pytest
@@ -111,7 +112,7 @@ def test_the_table_numbers_each_row_as_kept_rows_does(explorer):
     # Two rows can share an op (four addmm): the number in the "#" column names a row.
     columns = 9
     cells = explorer.table.children
-    assert [cell.value for cell in cells[:2]] == ["<b>#</b>", "<b>keep</b>"]
+    assert [re.sub("<[^>]+>", "", cell.value) for cell in cells[:2]] == ["#", "keep"]
     for number, box in enumerate(explorer.checkboxes):
         assert cells[columns * (number + 1)].value == str(number)
         assert cells[columns * (number + 1) + 1] is box

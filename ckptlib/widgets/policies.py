@@ -53,7 +53,7 @@ from ckptlib.memory import MemoryMeter, format_bytes
 from ckptlib.models import TinyTransformer
 from ckptlib.selective.ops import _tensors
 from ckptlib import palette
-from ckptlib.widgets._timing import compare, interleaved, times_text
+from ckptlib.widgets._timing import compare, interleaved, spread
 from ckptlib.widgets._view import WidgetView, png_bytes
 
 __all__ = ["PolicyExplorer"]
@@ -299,26 +299,27 @@ class PolicyExplorer(WidgetView):
     def _table(self) -> widgets.GridBox:
         # The "#" column is the row's index in ``rows``, the number ``result["kept_rows"]`` lists:
         # a notebook can name a selection (two rows share the op ``addmm``) the way the table shows it.
-        header = ["#", "keep", "op", "input shapes", "calls", "output", "time", "save_<wbr>matmuls",
-                  "cost<br>policy"]
-        cells: list[widgets.Widget] = [widgets.HTML(f"<b>{title}</b>") for title in header]
+        header = ["#", "keep", "op", "input shapes", "calls", "output", "time", "save_<br>matmuls", "cost<br>policy"]
+        cells: list[widgets.Widget] = [widgets.HTML(f"<b style='display:inline-block; line-height:1.25'>{title}</b>")
+                                       for title in header]
         for number, (row, box) in enumerate(zip(self.rows, self.checkboxes)):
-            # Each shape on its own line: the widest column stays narrow enough for 1100 px screens.
-            shapes = "<br>".join("x".join(map(str, shape)) for shape in row["input_shapes"])
+            # Shapes wrap between one another (never inside one): the widest column stays narrow.
+            shapes = ", ".join(f"<span style='white-space:nowrap'>{'x'.join(map(str, shape))}</span>"
+                               for shape in row["input_shapes"])
             cells += [widgets.HTML(str(number)), box,
                       widgets.HTML(f"<span style='{_MONOSPACE}'>{row['op']}</span>"),
-                      widgets.HTML(f"<span style='font-size:85%; line-height:1.2; display:inline-block'>{shapes}"
-                                   "</span>"),
+                      widgets.HTML(f"<span style='display:inline-block; white-space:normal; line-height:1.25'>"
+                                   f"{shapes}</span>"),
                       widgets.HTML(str(row["calls"])), widgets.HTML(format_bytes(row["output_bytes"])),
                       widgets.HTML(f"{row['time_s'] * 1e6:.0f} µs"),
                       widgets.HTML("✓" if row["save_matmuls"] else ""), widgets.HTML("✓" if row["cost_policy"] else "")]
-        for cell in cells:
-            cell.layout.width = "max-content"
-        # Columns as wide as their widest cell, whatever the font: a slide deck's larger type must
-        # not run one column into the next.
-        return widgets.GridBox(cells, layout=widgets.Layout(grid_template_columns="repeat(9, max-content)",
-                                                            grid_gap="0 12px", align_items="center",
-                                                            max_width="100%"))
+        for position, cell in enumerate(cells):
+            cell.layout.width = "auto" if position % 9 == 3 else "max-content"
+        # Columns as wide as their widest cell, whatever the font (a slide deck's larger type must
+        # not run one column into the next); the shapes column wraps past 150 px instead.
+        return widgets.GridBox(cells, layout=widgets.Layout(
+            grid_template_columns="repeat(3, max-content) fit-content(150px) repeat(5, max-content)",
+            grid_gap="0 12px", align_items="center", max_width="100%"))
 
     def _variants(self) -> dict[str, dict[str, Any]]:
         return {**self.references, SELECTION: self.result}
@@ -334,20 +335,25 @@ class PolicyExplorer(WidgetView):
                  ("rerun FLOPs", lambda name, v: f"{v['rerun_flops'] / 1e6:+.2f} M")]
         if self.timing:
             plain = self.timing["plain"]
-            lines += [("step time", lambda name, v: times_text(self.timing[name]).replace(" (", "<br>(")),
+            lines += [("step time", lambda name, v: self._step_time(name)),
                       ("vs plain", lambda name, v: "" if name == "plain" else self._versus_plain(name))]
         for label, show in lines:
             rows.append(f"<tr><td {cell}>{label}</td>" + "".join(
                 f"<td {cell}>{show(name, variant)}</td>" for name, variant in self._variants().items()) + "</tr>")
         timed = (f"Step times: the five variants timed in turns, {TIMED_ROUNDS} steps each after a warm-up "
-                 "(median, lowest-highest); \"within noise\" where the spreads overlap or a checkpoint comes "
+                 "(median, and below it the lowest-highest in ms); \"within noise\" where the spreads overlap or a checkpoint comes "
                  "out faster than plain." if self.timing else
                  "Step times are not measured on a tick: they jitter. Press <b>time all five</b> to time all "
                  "five variants together, in turns.")
         return ("<div style='max-width:100%; overflow-wrap:anywhere'><table style='border-collapse:collapse'>"
                 + "".join(rows) + "</table>"
-                "<div style='max-width:520px; line-height:1.3'><small>Kept bytes, calls rerun and rerun FLOPs "
-                f"(matmul FLOPs of a step beyond plain's) are exact. {timed}</small></div></div>")
+                "<div style='max-width:520px; line-height:1.3; font-size:0.92em'>Kept bytes, calls rerun and rerun FLOPs "
+                f"(matmul FLOPs of a step beyond plain's) are exact. {timed}</div></div>")
+
+    def _step_time(self, name: str) -> str:
+        """``'20.1 ms<br>15.2-33.0'``: the median over its spread, two short lines for a narrow column."""
+        low, high = spread(self.timing[name])
+        return f"{statistics.median(self.timing[name]) * 1e3:.1f} ms<br>{low * 1e3:.1f}-{high * 1e3:.1f}"
 
     def _versus_plain(self, name: str) -> str:
         """``'1.32x'``, or ``'0.98x<br>within noise'``: a checkpoint never reads faster than plain alone."""

@@ -12,6 +12,8 @@ test-artifacts/.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from .layout_checks import WIDTHS, clipped, picture_scale, small_text
@@ -63,7 +65,8 @@ def assert_readable(explorer) -> None:
 @pytest.mark.parametrize("width", WIDTHS, ids=list(WIDTHS))
 def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
     path = write_notebook(lab, f"policy_explorer_browser_test_{width}", CELLS)
-    page.set_viewport_size(WIDTHS[width])
+    # The screen's width; tall enough that the whole explorer is in one screenshot.
+    page.set_viewport_size({**WIDTHS[width], "height": 1700})
     explorer = page.locator(ROOT)
     try:
         open_and_run(page, lab, path, ".ckptlib-policy-summary table")
@@ -88,7 +91,7 @@ def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
         page.locator(".ckptlib-policy-time").click()
         page.wait_for_function(f"() => ({CELL_OF_SELECTION})('step time') !== null", timeout=180_000)
         wait_idle(page)
-        assert "runs)" in page.evaluate(CELL_OF_SELECTION, "step time")
+        assert re.fullmatch(r"[\d.]+ ms\n[\d.]+-[\d.]+", page.evaluate(CELL_OF_SELECTION, "step time"))
         explorer.scroll_into_view_if_needed()
         assert_readable(explorer)
         explorer.screenshot(path=str(artifacts / f"policy_explorer-{width}-timed.png"))
