@@ -200,11 +200,13 @@ class PolicyExplorer(WidgetView):
             widget.add_class(f"ckptlib-policy-{name}")  # stable handles for the browser test
         self.table = self._table()
         wrap = dict(flex_flow="row wrap", align_items="flex-start", max_width="100%")
+        # The table, then what the selection costs: side by side where they fit (a wide screen, a
+        # slide), one under the other where they do not (a laptop with JupyterLab's side panel).
         self.widget = widgets.VBox([
             widgets.Box([self.tick_matmuls, self.tick_cost, self.clear, self.time_button],
                         layout=widgets.Layout(**wrap)),
-            self.table,
-            widgets.Box([self.summary, self.plot], layout=widgets.Layout(**wrap)),  # side by side where they fit
+            widgets.Box([self.table, widgets.VBox([self.summary, self.plot], layout=widgets.Layout(max_width="100%"))],
+                        layout=widgets.Layout(**wrap)),
         ], layout=widgets.Layout(max_width="100%"))
         self.widget.add_class("ckptlib-policy-explorer")
         self._figure = Figure(figsize=FIGURE_INCHES, dpi=SCREEN_DPI * DRAW_SCALE)
@@ -319,7 +321,7 @@ class PolicyExplorer(WidgetView):
         # not run one column into the next); the shapes column wraps past 150 px instead.
         return widgets.GridBox(cells, layout=widgets.Layout(
             grid_template_columns="repeat(3, max-content) fit-content(150px) repeat(5, max-content)",
-            grid_gap="0 12px", align_items="center", max_width="100%"))
+            grid_gap="0 10px", align_items="center", max_width="100%", margin="0 20px 8px 0"))
 
     def _variants(self) -> dict[str, dict[str, Any]]:
         return {**self.references, SELECTION: self.result}
@@ -327,8 +329,9 @@ class PolicyExplorer(WidgetView):
     def _summary(self) -> str:
         cell = "style='padding:2px 6px; text-align:right; white-space:nowrap'"
         head = "style='padding:2px 6px; text-align:right; vertical-align:bottom; line-height:1.2'"
-        # Headers may break at their spaces ("full / checkpoint"): five columns fit a narrow screen.
-        rows = ["<tr><td></td>" + "".join(f"<td {head}><b>{name}</b></td>"
+        # Headers break at their spaces ("full / checkpoint"): the summary fits beside the table.
+        rows = ["<tr><td></td>" + "".join(f"<td {head}><div style='display:inline-block; max-width:6.5em'>"
+                                          f"<b>{name}</b></div></td>"
                                           for name in self._variants()) + "</tr>"]
         lines = [("kept for backward", lambda name, v: format_bytes(v["kept_bytes"])),
                  ("calls rerun", lambda name, v: str(v["rerun_ops"])),
