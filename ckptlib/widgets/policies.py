@@ -330,8 +330,7 @@ class PolicyExplorer(WidgetView):
         cell = "style='padding:2px 6px; text-align:right; white-space:nowrap'"
         head = "style='padding:2px 6px; text-align:right; vertical-align:bottom; line-height:1.2'"
         # Headers break at their spaces ("full / checkpoint"): the summary fits beside the table.
-        rows = ["<tr><td></td>" + "".join(f"<td {head}><div style='display:inline-block; max-width:6.5em'>"
-                                          f"<b>{name}</b></div></td>"
+        rows = ["<tr><td></td>" + "".join(f"<td {head}><b>{name.replace(' ', '<br>')}</b></td>"
                                           for name in self._variants()) + "</tr>"]
         lines = [("kept for backward", lambda name, v: format_bytes(v["kept_bytes"])),
                  ("calls rerun", lambda name, v: str(v["rerun_ops"])),
@@ -348,7 +347,7 @@ class PolicyExplorer(WidgetView):
                  "out faster than plain." if self.timing else
                  "Step times are not measured on a tick: they jitter. Press <b>time all five</b> to time all "
                  "five variants together, in turns.")
-        return ("<div style='max-width:100%; overflow-wrap:anywhere'><table style='border-collapse:collapse'>"
+        return ("<div style='max-width:100%'><table style='border-collapse:collapse'>"
                 + "".join(rows) + "</table>"
                 "<div style='max-width:520px; line-height:1.3; font-size:0.92em'>Kept bytes, calls rerun and rerun FLOPs "
                 f"(matmul FLOPs of a step beyond plain's) are exact. {timed}</div></div>")

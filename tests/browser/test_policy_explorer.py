@@ -32,7 +32,7 @@ ROOT = ".ckptlib-policy-explorer"
 
 CELL_OF_SELECTION = """(label) => {
     const rows = [...document.querySelectorAll('.ckptlib-policy-summary tr')];
-    const header = [...rows[0].cells].map(cell => cell.innerText.trim());
+    const header = [...rows[0].cells].map(cell => cell.innerText.replace(/\s+/g, ' ').trim());
     const row = rows.find(row => row.cells[0].innerText.trim() === label);
     return row ? row.cells[header.indexOf('your selection')].innerText.trim() : null;
 }"""
