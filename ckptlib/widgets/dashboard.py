@@ -92,6 +92,7 @@ REVOLVE_SLOTS = 2
 REVOLVE = f"Revolve ({REVOLVE_SLOTS} slots)"
 # The plot: its size on screen (CSS pixels at 80 per inch) and the scale it is drawn at.
 FIGURE_INCHES, SCREEN_DPI, DRAW_SCALE = (8.2, 3.4), 80, 2   # 656 px: fits 1100 px with the side panel open
+FIGURE_PX = round(FIGURE_INCHES[0] * SCREEN_DPI)             # its width on screen, in CSS pixels
 FONT_PT = 10        # 10 pt at 80 px per inch: 11 px on screen
 # What a model passed to the dashboard must have, and why.
 MODEL_NEEDS = {
@@ -293,8 +294,7 @@ class MemoryDashboard(WidgetView):
         # Two lines' room for the readout: a longer one wraps below the plot and moves nothing.
         self.readout = widgets.HTML(layout=widgets.Layout(min_height="44px"))
         self.message = widgets.HTML(value="")
-        width_px = FIGURE_INCHES[0] * SCREEN_DPI
-        self.plot = widgets.Image(format="png", layout=widgets.Layout(width=f"{width_px}px", max_width="100%",
+        self.plot = widgets.Image(format="png", layout=widgets.Layout(width=f"{FIGURE_PX}px", max_width="100%",
                                                                        height="auto"))
         for name, widget in (("checkpointing", self.checkpointing), ("run", self.run_button),
                              ("readout", self.readout), ("message", self.message), ("plot", self.plot)):
@@ -403,7 +403,7 @@ class MemoryDashboard(WidgetView):
     def _say_readout(self, text: str) -> None:
         self._readout_text = text
         self.readout.value = (f"<div style='white-space:normal; overflow-wrap:anywhere; line-height:1.35; "
-                              f"max-width:{FIGURE_INCHES[0] * SCREEN_DPI}px'>{html.escape(text)}</div>")
+                              f"max-width:{FIGURE_PX}px'>{html.escape(text)}</div>")
 
     # -- running --------------------------------------------------------------
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:

@@ -194,7 +194,7 @@ class PolicyExplorer(WidgetView):
         self.time_button.on_click(lambda _button: self.time_all())
         self.summary = widgets.HTML(layout=widgets.Layout(max_width="100%"))
         self.plot = widgets.Image(format="png", layout=widgets.Layout(
-            width=f"{FIGURE_INCHES[0] * SCREEN_DPI}px", max_width="100%", height="auto"))
+            width=f"{round(FIGURE_INCHES[0] * SCREEN_DPI)}px", max_width="100%", height="auto"))
         for name, widget in (("summary", self.summary), ("plot", self.plot), ("tick-matmuls", self.tick_matmuls),
                              ("clear", self.clear), ("time", self.time_button)):
             widget.add_class(f"ckptlib-policy-{name}")  # stable handles for the browser test
