@@ -47,3 +47,12 @@ def small_text(root, least_px: float = 11) -> list[str]:
 def picture_scale(picture) -> float:
     """Natural over shown width of the <img> of the locator ``picture``."""
     return picture.evaluate(PICTURE_SCALE)
+
+
+def assert_readable(root, plot: str) -> None:
+    """Nothing cut off inside ``root``, no text below 11 px, its ``plot`` a 2x picture shown at (about) its size."""
+    cut, small = clipped(root), small_text(root)
+    assert not cut, "cut off:\n" + "\n".join(cut)
+    assert not small, "too small:\n" + "\n".join(small)
+    scale = picture_scale(root.locator(plot))
+    assert 1.9 <= scale <= 2.1, f"the 2x plot is shown at {2 / scale:.2f} of its size"

@@ -19,7 +19,7 @@ import re
 
 import pytest
 
-from .layout_checks import WIDTHS, clipped, picture_scale, small_text
+from .layout_checks import WIDTHS, assert_readable
 from .widget_notebooks import assert_widgets_rendered, open_and_run, text_of, write_notebook
 
 # The waits below are bounded one by one; the timeout is a backstop for the whole test.
@@ -70,15 +70,6 @@ def plot_top(page) -> float:
     return page.locator(".ckptlib-plot").first.evaluate("img => img.getBoundingClientRect().top")
 
 
-def assert_readable(root) -> None:
-    """Nothing cut off, no text below 11 px, the plot a 2x picture shown at (about) its size."""
-    cut, small = clipped(root), small_text(root)
-    assert not cut, "cut off:\n" + "\n".join(cut)
-    assert not small, "too small:\n" + "\n".join(small)
-    scale = picture_scale(root.locator(".ckptlib-plot"))
-    assert 1.9 <= scale <= 2.1, f"the 2x plot is shown at {2 / scale:.2f} of its size"
-
-
 def lines_of(page, selector: str) -> float:
     """How many lines of text an element holds: its height over its line height."""
     return page.locator(selector).evaluate(
@@ -113,7 +104,7 @@ def test_a_step_over_the_limit_then_checkpointing_fits(lab, page, artifacts, wid
         assert box.evaluate("box => getComputedStyle(box).whiteSpace") == "normal"
         assert box.evaluate("box => getComputedStyle(box).borderLeftStyle") == "solid"
         assert "did not fit" in text_of(page, ".ckptlib-readout >> nth=0")
-        assert_readable(first)
+        assert_readable(first, ".ckptlib-plot")
         first.screenshot(path=str(artifacts / f"dashboard-{width}-did-not-fit.png"))
 
         set_toggle(page, on=True)
@@ -127,13 +118,13 @@ def test_a_step_over_the_limit_then_checkpointing_fits(lab, page, artifacts, wid
         assert plot_top(page) == top, "the message going away moved the plot"
         # The whole readout is on screen: it wraps onto a second line rather than being cut.
         assert lines_of(page, ".ckptlib-readout >> nth=0 >> .widget-html-content > div") >= 1.9
-        assert_readable(first)
+        assert_readable(first, ".ckptlib-plot")
         first.screenshot(path=str(artifacts / f"dashboard-{width}-checkpointing-fits.png"))
 
         second = page.locator(".ckptlib-dashboard").nth(1)
         second.scroll_into_view_if_needed()
         assert TIME_VS_OFF.search(text_of(page, ".ckptlib-readout >> nth=1")), text_of(page, ".ckptlib-readout >> nth=1")
-        assert_readable(second)
+        assert_readable(second, ".ckptlib-plot")
         second.screenshot(path=str(artifacts / f"dashboard-{width}-time-vs-off.png"))
     finally:
         page.screenshot(path=str(artifacts / f"dashboard-{width}.png"))

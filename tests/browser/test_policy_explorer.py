@@ -16,7 +16,7 @@ import re
 
 import pytest
 
-from .layout_checks import WIDTHS, clipped, picture_scale, small_text
+from .layout_checks import WIDTHS, assert_readable
 from .widget_notebooks import assert_widgets_rendered, open_and_run, write_notebook
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -54,14 +54,6 @@ def wait_idle(page) -> None:
     page.wait_for_timeout(500)   # the last plot's picture
 
 
-def assert_readable(explorer) -> None:
-    cut, small = clipped(explorer), small_text(explorer)
-    assert not cut, "cut off:\n" + "\n".join(cut)
-    assert not small, "too small:\n" + "\n".join(small)
-    scale = picture_scale(explorer.locator(".ckptlib-policy-plot"))
-    assert 1.9 <= scale <= 2.1, f"the 2x plot is shown at {2 / scale:.2f} of its size"
-
-
 @pytest.mark.parametrize("width", WIDTHS, ids=list(WIDTHS))
 def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
     path = write_notebook(lab, f"policy_explorer_browser_test_{width}", CELLS)
@@ -77,7 +69,7 @@ def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
         assert kept_by_selection(page) == "0 B"
         assert page.evaluate(CELL_OF_SELECTION, "step time") is None, "a time nobody asked for"
         explorer.scroll_into_view_if_needed()
-        assert_readable(explorer)
+        assert_readable(explorer, ".ckptlib-policy-plot")
         explorer.screenshot(path=str(artifacts / f"policy_explorer-{width}-built.png"))
 
         page.locator(".ckptlib-policy-tick input").nth(softmax).check()
@@ -93,7 +85,7 @@ def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
         wait_idle(page)
         assert re.fullmatch(r"[\d.]+ ms\n[\d.]+-[\d.]+", page.evaluate(CELL_OF_SELECTION, "step time"))
         explorer.scroll_into_view_if_needed()
-        assert_readable(explorer)
+        assert_readable(explorer, ".ckptlib-policy-plot")
         explorer.screenshot(path=str(artifacts / f"policy_explorer-{width}-timed.png"))
     finally:
         page.screenshot(path=str(artifacts / f"policy_explorer-{width}.png"))
