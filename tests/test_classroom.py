@@ -185,6 +185,36 @@ def test_a_widget_with_its_state_is_a_snapshot_with_a_note():
     assert sorted(nb.metadata.widgets[classroom.WIDGET_STATE]["state"]) == ["child", "view"]
 
 
+def test_a_widget_with_its_picture_shows_the_picture_its_cell_showed_not_the_last_state():
+    """The saved state is the widget's state at the end (after later cells moved it on); the
+    picture in the output is what the cell showed, so the page shows that and drops the view."""
+    nb = widget_notebook({"view": model(), "other": model()})
+    nb.cells[0].outputs[0].data["image/png"] = "iVBORw0KGgo="
+    nb.cells[0].outputs[0].metadata = {"image/png": {"width": 656}}
+    nb = classroom.static_widgets(nb, DOCUMENT)
+    note, picture = nb.cells[0].outputs
+    assert "Picture of an interactive widget as its cell showed it" in note.data["text/html"]
+    assert picture.data == {"image/png": "iVBORw0KGgo=", "text/plain": "MemoryDashboard(per block, depth 4)"}
+    assert picture.metadata == {"image/png": {"width": 656}}
+    assert "widgets" not in nb.metadata   # no view left: nothing is drawn from the saved state
+    body, _ = classroom.HTMLExporter().from_notebook_node(nb)
+    assert "data:image/png;base64,iVBORw0KGgo=" in body and classroom.WIDGET_VIEW not in body
+
+
+def test_a_widget_without_a_picture_says_its_snapshot_is_the_saved_state():
+    nb = classroom.static_widgets(widget_notebook({"view": model()}), DOCUMENT)
+    assert "in the state it was saved with (later cells may have changed it" in nb.cells[0].outputs[0].data["text/html"]
+
+
+def test_in_a_deck_a_widget_gets_a_cell_of_its_own_without_code():
+    nb = classroom.slides_apart(classroom.static_widgets(widget_notebook({"view": model()}), DOCUMENT))
+    code, apart = nb.cells
+    assert code.source == "dashboard" and code.outputs == []
+    assert apart.metadata["tags"] == [classroom.OUTPUTS_ONLY] and len(apart.outputs) == 2
+    body, _ = classroom.SlidesExporter(config=classroom.asset_config("_static")).from_notebook_node(nb)
+    assert body.count("jp-InputArea jp-Cell-inputArea") == 1, "the widget's cell shows no code"
+
+
 @pytest.mark.parametrize("state", [
     pytest.param({}, id="no state"),
     pytest.param({"view": model(children=["IPY_MODEL_child"])}, id="a child's state missing"),
@@ -234,5 +264,8 @@ def test_site_labels_each_widget_as_a_snapshot(site, path):
     page = (site / path.relative_to(ROOT).with_suffix(".html")).read_text(encoding="utf-8")
     notes = page.count('class="course-widget-note"')
     views = page.count(f'<script type="{classroom.WIDGET_VIEW}">')
-    assert notes == views >= 1
-    assert page.index("course-widget-note") < page.index(f'<script type="{classroom.WIDGET_VIEW}">')
+    pictures = sum(classroom.WIDGET_VIEW in output.get("data", {}) and "image/png" in output.data
+                   for cell in read(path).cells for output in cell.get("outputs", []))
+    assert notes == views + pictures >= 1
+    shown = f'<script type="{classroom.WIDGET_VIEW}">' if views else "data:image/png"
+    assert page.index("course-widget-note") < page.index(shown, page.index("course-widget-note"))

@@ -1,11 +1,16 @@
 """PolicyExplorer without a browser: tick rows, read the exact bytes kept and calls rerun."""
 from __future__ import annotations
 
+import random
+import re
+import statistics
+
 import pytest
 
 from ckptlib import save_matmuls
 from ckptlib.models import MLPChain, TinyTransformer
 from ckptlib.widgets import PolicyExplorer
+from ckptlib.widgets.policies import TIMED_ROUNDS
 
 BATCH, HEADS, SEQ, D_MODEL = 2, 2, 8, 16
 
@@ -42,6 +47,9 @@ def test_the_references_bracket_every_selection(explorer):
     assert full["kept_bytes"] == 0 and plain["rerun_ops"] == 0
     assert plain["kept_bytes"] > explorer.references["save_matmuls"]["kept_bytes"] > 0
     assert full["rerun_ops"] > explorer.references["save_matmuls"]["rerun_ops"]
+    # FLOPs do not jitter: plain recomputes none, full checkpointing every matmul, save_matmuls none.
+    assert plain["rerun_flops"] == explorer.references["save_matmuls"]["rerun_flops"] == 0
+    assert full["rerun_flops"] > 0
 
 
 def test_ticking_one_op_keeps_exactly_its_output(explorer):
@@ -81,8 +89,8 @@ def test_the_buttons_tick_the_ready_made_choices(explorer):
 def test_the_summary_and_plot_show_all_five_variants(explorer):
     explorer.select(lambda row: row["op"] == "gelu")
     for name in ("plain", "full checkpoint", "save_matmuls", "cost policy", "your selection"):
-        assert f"<b>{name}</b>" in explorer.summary.value
-    assert "kept for backward" in explorer.summary.value and "rerun cost" in explorer.summary.value
+        assert f"<b>{name.replace(' ', '<br>')}</b>" in explorer.summary.value   # headers break at spaces
+    assert "kept for backward" in explorer.summary.value and "rerun FLOPs" in explorer.summary.value
     assert bytes(explorer.plot.value).startswith(b"\x89PNG")
 
 
@@ -104,10 +112,64 @@ def test_the_table_numbers_each_row_as_kept_rows_does(explorer):
     # Two rows can share an op (four addmm): the number in the "#" column names a row.
     columns = 9
     cells = explorer.table.children
-    assert [cell.value for cell in cells[:2]] == ["<b>#</b>", "<b>keep</b>"]
+    assert [re.sub("<[^>]+>", "", cell.value) for cell in cells[:2]] == ["#", "keep"]
     for number, box in enumerate(explorer.checkboxes):
         assert cells[columns * (number + 1)].value == str(number)
         assert cells[columns * (number + 1) + 1] is box
     explorer.select(lambda row: row["op"] == "addmm")
     assert explorer.result["kept_rows"] == [i for i, row in enumerate(explorer.rows) if row["op"] == "addmm"]
     assert len(explorer.result["kept_rows"]) == 4
+
+
+class ScriptedTimer:
+    """A stand-in for ``explorer.timer``: each variant takes the seconds we choose; notes the order."""
+
+    def __init__(self, seconds: dict[str, list[float]], explorer) -> None:
+        self.seconds, self.explorer, self.calls, self.busy = seconds, explorer, [], []
+
+    def __call__(self, name, step) -> float:
+        self.calls.append(name)
+        self.busy.append(self.explorer.time_button.disabled and all(box.disabled for box in self.explorer.checkboxes))
+        queue = self.seconds[name]
+        return queue.pop(0) if len(queue) > 1 else queue[0]
+
+
+VARIANTS = ["plain", "full checkpoint", "save_matmuls", "cost policy", "your selection"]
+
+
+def test_nothing_is_timed_until_asked_and_then_all_five_in_turns(explorer):
+    explorer.select(lambda row: row["op"] == "gelu")
+    assert explorer.timing == {} and "step time" not in explorer.summary.value
+    assert "Press <b>time all five</b>" in explorer.summary.value
+    timer = explorer.timer = ScriptedTimer({name: [0.010] for name in VARIANTS}, explorer)
+    try:
+        timing = explorer.time_all()
+    finally:
+        del explorer.timer
+    # A warm-up of each, then TIMED_ROUNDS rounds of one step each, the order flipping every round.
+    rounds = [VARIANTS if number % 2 == 0 else VARIANTS[::-1] for number in range(TIMED_ROUNDS)]
+    assert timer.calls == VARIANTS + [name for round_ in rounds for name in round_]
+    assert all(timer.busy), "a tick during the timing would time a selection other than the one shown"
+    assert not explorer.time_button.disabled and not any(box.disabled for box in explorer.checkboxes)
+    assert set(timing) == set(VARIANTS) and all(len(times) == TIMED_ROUNDS for times in timing.values())
+    assert "step time" in explorer.summary.value and "vs plain" in explorer.summary.value
+    explorer.select(lambda row: False)        # a new selection: the old times no longer describe it
+    assert explorer.timing == {} and "step time" not in explorer.summary.value
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_full_checkpointing_never_reads_faster_than_plain_without_a_noise_note(explorer, seed):
+    generator = random.Random(seed)
+    explorer.timer = ScriptedTimer({name: [generator.uniform(0.001, 0.01) for _ in range(TIMED_ROUNDS + 1)]
+                                    for name in VARIANTS}, explorer)
+    try:
+        timing = explorer.time_all()
+    finally:
+        del explorer.timer
+    for name in VARIANTS[1:]:
+        shown = explorer._versus_plain(name)
+        ratio = statistics.median(timing[name]) / statistics.median(timing["plain"])
+        assert shown.startswith(f"{ratio:.2f}x")
+        overlap = min(timing[name]) <= max(timing["plain"]) and min(timing["plain"]) <= max(timing[name])
+        assert ("within noise" in shown) == (ratio < 1 or overlap), (name, shown)
+        assert shown in explorer.summary.value

@@ -24,10 +24,15 @@ navigate linearly) and nothing is below the fold. Only a single cell taller than
 itself scrolls (shrunk to 60% first), and then each fragment scrolls into view as it appears.
 The slides index lists the notebooks by title in course order, each with its solutions.
 
-Widgets. A page has no kernel, so a widget output can only be the snapshot of its saved state.
-Each one gets a visible note saying so and where to run it; one whose saved state is
-incomplete (or needs a widget library the static page cannot load) is replaced by a note naming
-it, rather than an empty box (see static_widgets).
+Widgets. A page has no kernel, so a widget output can only be a snapshot, and it must be the
+one its cell showed: the widget state saved with a notebook is the state at the end, after
+later cells moved the widget on (prose about Revolve above a picture of sqrt(n)). So a widget
+output that carries its own picture (an image/png taken when the cell displayed it) is shown as
+that picture; only one without a picture falls back to the saved state, and says so. Each gets a
+visible note saying what it is and where to run it; one whose saved state is incomplete (or
+needs a widget library the static page cannot load) is replaced by a note naming it, rather
+than an empty box (see static_widgets). In a deck, a widget's output moves to the slide after
+its code (slides_apart), so the widget has the canvas to itself instead of being shrunk.
 """
 from __future__ import annotations
 
@@ -55,6 +60,7 @@ NODE_MODULES = TOOLS / "node_modules"
 STATIC = "_static"
 COURSE_STATIC = TOOLS / "classroom_static"   # our own slides.js and slides.css, copied to _static/course
 SLIDE_WIDTH, SLIDE_HEIGHT = 1280, 720          # the reveal.js canvas: 16:9, what projectors show
+OUTPUTS_ONLY = "course-outputs-only"           # a cell tag: a deck shows the cell's outputs, not its code
 
 # What the pages load, as paths inside node_modules; copied to OUT/_static/<same path>.
 VENDORED = (
@@ -219,6 +225,8 @@ def asset_config(prefix: str) -> Config:
     config.SlidesExporter.reveal_theme = "white"  # its fonts ship with reveal.js; "simple" asks Google Fonts
     config.SlidesExporter.reveal_width, config.SlidesExporter.reveal_height = str(SLIDE_WIDTH), str(SLIDE_HEIGHT)
     config.SlidesExporter.reveal_number = "c/t"  # "12/40", so the room can say which slide
+    config.TagRemovePreprocessor.enabled = True
+    config.TagRemovePreprocessor.remove_input_tags = {OUTPUTS_ONLY}   # see slides_apart
     return config
 
 
@@ -270,7 +278,7 @@ def build_slides(out: Path) -> list[Path]:
     decks, titles = [], {}
     for source in sources:
         document = _repository_path(source)
-        nb = static_widgets(_titled(nbformat.read(source, as_version=4)), document)
+        nb = slides_apart(static_widgets(_titled(nbformat.read(source, as_version=4)), document))
         titles[document] = nb.metadata.get("title", source.stem)
         text = _render(exporter, nb, source.stem, pages[document])
         decks.append(_write(out, pages[document], rewrite_links(text, document, pages, linked_files)))
@@ -364,12 +372,21 @@ def _note(text: str) -> nbformat.NotebookNode:
         "text/plain": re.sub(r"<[^>]+>", "", html.unescape(text))})
 
 
+def _picture_of(output: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A widget output as its picture alone (and its text), so no page draws the widget from state."""
+    data = {key: output.data[key] for key in ("image/png", "text/plain") if key in output.data}
+    return nbformat.v4.new_output("display_data", data=data, metadata=dict(output.get("metadata", {})))
+
+
 def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbformat.NotebookNode:
     """The notebook with its widget outputs made honest for a page without a kernel.
 
-    A widget whose saved state is complete is shown as the snapshot the state describes, after a
-    note that it is one and where to run it. A widget whose state is missing or incomplete would
-    be an empty box (or, as nbconvert falls back, its text repr): it becomes a note naming it.
+    A widget output with its own picture (``image/png``, taken when its cell showed it) becomes
+    that picture, after a note that it is one and where to run it: the saved state is the
+    widget's last state, which later cells may have changed. Without a picture, a widget whose
+    saved state is complete is shown as the snapshot the state describes, after such a note. A
+    widget whose state is missing or incomplete would be an empty box (or, as nbconvert falls
+    back, its text repr): it becomes a note naming it.
     The saved state keeps exactly the models the shown widgets need.
 
     >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output(
@@ -391,6 +408,11 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
             if view is None:
                 outputs.append(output)
                 continue
+            picture = output.get("data", {}).get("image/png")
+            if picture is not None:
+                outputs += [_note(f"Picture of an interactive widget as its cell showed it: its controls work "
+                                  f"in a live notebook only. {where}"), _picture_of(output)]
+                continue
             models = _widget_models(view.get("model_id", ""), state)
             if models is None:
                 name = str(output.data.get("text/plain", "")).strip().splitlines()[0:1]
@@ -398,7 +420,8 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
                 outputs.append(_note(f"Interactive widget{label}: its state was not saved with this page. {where}"))
             else:
                 shown |= models
-                outputs += [_note(f"Static snapshot of an interactive widget: its controls do nothing here. {where}"),
+                outputs += [_note("Static snapshot of an interactive widget, in the state it was saved with (later "
+                                  f"cells may have changed it since it was shown): its controls do nothing here. {where}"),
                             output]
         if "outputs" in cell:
             cell.outputs = outputs
@@ -407,6 +430,32 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
         widgets["state"] = {model_id: model for model_id, model in state.items() if model_id in shown}
     else:
         nb.metadata.pop("widgets", None)
+    return nb
+
+
+def slides_apart(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """The notebook with each widget output (after static_widgets: a cell with a widget note) in a
+    cell of its own right after its code, tagged OUTPUTS_ONLY so the deck shows no code there.
+
+    slides.js splits a slide that is too tall between cells, so the widget lands on a slide of
+    its own at full size, instead of being shrunk with its code until its text is ~8 px.
+
+    >>> note = _note("Static snapshot of an interactive widget")
+    >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("explorer", outputs=[note])])
+    >>> [(cell.source, len(cell.outputs), cell.metadata.get("tags")) for cell in slides_apart(nb).cells]
+    [('explorer', 0, None), ('', 1, ['course-outputs-only'])]
+    """
+    cells = []
+    for cell in nb.cells:
+        cells.append(cell)
+        notes = [o for o in cell.get("outputs", []) if "course-widget-note" in str(o.get("data", {}).get("text/html", ""))]
+        if not notes:
+            continue
+        apart = nbformat.v4.new_code_cell("", outputs=cell.outputs, execution_count=cell.execution_count)
+        apart.metadata = {"tags": [OUTPUTS_ONLY], "slideshow": {"slide_type": "-"}}
+        cell.outputs = []
+        cells.append(apart)
+    nb.cells = cells
     return nb
 
 

@@ -1,18 +1,25 @@
-"""PolicyExplorer in JupyterLab, in a real Chromium: ticking an op keeps its output.
+"""PolicyExplorer in JupyterLab, in a real Chromium, at 1100 and 1280 px: ticking an op keeps its output.
 
 A notebook of its own shows the explorer for a small Transformer block. Nothing is ticked,
 so "your selection" keeps 0 B, like full checkpointing. The test ticks the softmax row and
 waits for the selection to keep exactly the softmax's output; then it clicks "tick
-save_matmuls" and waits for the selection to keep what save_matmuls keeps. A screenshot is
-kept either way.
+save_matmuls" and waits for the selection to keep what save_matmuls keeps. No step time is
+shown until "time all five" is pressed; then all five have one, with its spread.
+
+At each width nothing is cut off (the "cost policy" column and the "your selection" summary
+least of all), the text is at least 11 px, the plot is a sharp 2x picture. Screenshots go to
+test-artifacts/.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from .layout_checks import WIDTHS, assert_readable
 from .widget_notebooks import assert_widgets_rendered, open_and_run, write_notebook
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(600)]
 
 CELLS = [
     "from ckptlib.models import TinyTransformer\nfrom ckptlib.widgets import PolicyExplorer\n"
@@ -21,28 +28,38 @@ CELLS = [
     "print(softmax, explorer.rows[softmax]['output_bytes'], explorer.references['save_matmuls']['kept_bytes'])",
     "explorer",
 ]
+ROOT = ".ckptlib-policy-explorer"
 
-
-KEPT_BY_SELECTION = """() => {
+CELL_OF_SELECTION = """(label) => {
     const rows = [...document.querySelectorAll('.ckptlib-policy-summary tr')];
-    const header = [...rows[0].cells].map(cell => cell.innerText.trim());
-    const kept = rows.find(row => row.cells[0].innerText.trim() === 'kept for backward');
-    return kept.cells[header.indexOf('your selection')].innerText.trim();
+    const header = [...rows[0].cells].map(cell => cell.innerText.replace(/\s+/g, ' ').trim());
+    const row = rows.find(row => row.cells[0].innerText.trim() === label);
+    return row ? row.cells[header.indexOf('your selection')].innerText.trim() : null;
 }"""
 
 
 def kept_by_selection(page) -> str:
     """The 'kept for backward' cell of the 'your selection' column."""
-    return page.evaluate(KEPT_BY_SELECTION)
+    return page.evaluate(CELL_OF_SELECTION, "kept for backward")
 
 
 def wait_for_kept(page, text: str) -> None:
-    page.wait_for_function(f"(want) => ({KEPT_BY_SELECTION})() === want", arg=text, timeout=30_000)
+    page.wait_for_function(f"(want) => ({CELL_OF_SELECTION})('kept for backward') === want", arg=text,
+                           timeout=60_000)
 
 
-def test_ticking_an_op_keeps_its_output(lab, page, artifacts):
-    path = write_notebook(lab, "policy_explorer_browser_test", CELLS)
-    page.set_viewport_size({"width": 1400, "height": 1500})   # table, summary and plot in one picture
+def wait_idle(page) -> None:
+    page.wait_for_function(
+        "() => /\\| Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText ?? '')", timeout=120_000)
+    page.wait_for_timeout(500)   # the last plot's picture
+
+
+@pytest.mark.parametrize("width", WIDTHS, ids=list(WIDTHS))
+def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
+    path = write_notebook(lab, f"policy_explorer_browser_test_{width}", CELLS)
+    # The screen's width; tall enough that the whole explorer is in one screenshot.
+    page.set_viewport_size({**WIDTHS[width], "height": 1700})
+    explorer = page.locator(ROOT)
     try:
         open_and_run(page, lab, path, ".ckptlib-policy-summary table")
         assert_widgets_rendered(page)
@@ -50,6 +67,10 @@ def test_ticking_an_op_keeps_its_output(lab, page, artifacts):
                                                    .inner_text().split())
         assert softmax_bytes == 2 * 2 * 16 * 16 * 4
         assert kept_by_selection(page) == "0 B"
+        assert page.evaluate(CELL_OF_SELECTION, "step time") is None, "a time nobody asked for"
+        explorer.scroll_into_view_if_needed()
+        assert_readable(explorer, ".ckptlib-policy-plot")
+        explorer.screenshot(path=str(artifacts / f"policy_explorer-{width}-built.png"))
 
         page.locator(".ckptlib-policy-tick input").nth(softmax).check()
         wait_for_kept(page, f"{softmax_bytes / 1024:.2f} KiB")
@@ -57,9 +78,14 @@ def test_ticking_an_op_keeps_its_output(lab, page, artifacts):
         page.locator(".ckptlib-policy-tick-matmuls").click()
         wait_for_kept(page, f"{matmul_bytes / 1024:.2f} KiB")
         assert not page.locator(".ckptlib-policy-tick input").nth(softmax).is_checked()
-        page.wait_for_function(
-            "() => /\\| Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText ?? '')", timeout=60_000)
-        page.wait_for_timeout(500)   # the last plot's picture
-        page.locator(".ckptlib-policy-summary").scroll_into_view_if_needed()
+        wait_idle(page)
+
+        page.locator(".ckptlib-policy-time").click()
+        page.wait_for_function(f"() => ({CELL_OF_SELECTION})('step time') !== null", timeout=180_000)
+        wait_idle(page)
+        assert re.fullmatch(r"[\d.]+ ms\n[\d.]+-[\d.]+", page.evaluate(CELL_OF_SELECTION, "step time"))
+        explorer.scroll_into_view_if_needed()
+        assert_readable(explorer, ".ckptlib-policy-plot")
+        explorer.screenshot(path=str(artifacts / f"policy_explorer-{width}-timed.png"))
     finally:
-        page.screenshot(path=str(artifacts / "policy_explorer.png"))
+        page.screenshot(path=str(artifacts / f"policy_explorer-{width}.png"))

@@ -126,7 +126,10 @@ def test_every_slide_fits_the_canvas(notebook, decks, page, artifacts):
 
 @pytest.mark.parametrize("notebook", WIDGET_NOTEBOOKS, ids=[notebook.stem for notebook in WIDGET_NOTEBOOKS])
 def test_a_widget_is_a_labelled_snapshot(notebook, decks, page, artifacts):
-    """Each widget output shows its saved state (not an empty box), under a note that it is a snapshot."""
+    """Each widget output shows what its cell showed (its picture, or else its saved state; never an
+    empty box) on a slide of its own, under a note that says which, readable: no text below 10 px
+    on the canvas (before: the explorer's table at ~8 px, the stepper's caption at ~6 px), no
+    button label cut short ("checkpointi...")."""
     reveal_js = open_deck(page, decks, notebook, [], [])
     assert page.locator(".course-widget-note").count() >= 1, "no note on the widget"
     note = page.locator(".course-widget-note").first
@@ -137,7 +140,20 @@ def test_a_widget_is_a_labelled_snapshot(notebook, decks, page, artifacts):
     page.wait_for_timeout(500)
     page.screenshot(path=str(artifacts / f"slides-widget-{notebook.stem}.png"))
     assert note.is_visible()
-    assert "Static snapshot" in note.inner_text() and notebook.name in note.inner_text()
-    views = page.locator(".widget-subarea")
-    assert views.count() >= 1 and views.first.locator(".widget-button, .widget-slider, .jupyter-widgets").count() > 0
+    text = note.inner_text()
+    assert ("Static snapshot" in text or "Picture of an interactive widget" in text) and notebook.name in text
+    slide = page.locator("section.present").last
+    if "Static snapshot" in text:
+        views = slide.locator(".widget-subarea")
+        assert views.count() >= 1 and views.first.locator(".widget-button, .widget-slider, .jupyter-widgets").count() > 0
+        zoom = slide.evaluate("s => parseFloat(s.querySelector('.course-shrink')?.style.zoom || 1)")
+        smallest = min(views.first.evaluate("""view => [...view.querySelectorAll('*')]
+            .filter(e => [...e.childNodes].some(n => n.nodeType === 3 && n.textContent.trim()) && e.offsetWidth)
+            .map(e => parseFloat(getComputedStyle(e).fontSize))"""))
+        assert smallest * zoom >= 10, f"widget text at {smallest * zoom:.1f} px"
+        cut = views.first.evaluate("""view => [...view.querySelectorAll('.jupyter-button')]
+            .filter(b => b.scrollWidth > b.clientWidth + 1).map(b => b.innerText)""")
+        assert cut == [], f"button labels cut short: {cut}"
+    else:
+        assert slide.locator(".jp-OutputArea-output img").count() >= 1
     assert page.console_errors == []
