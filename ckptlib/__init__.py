@@ -22,6 +22,8 @@ from ckptlib.checkpoint import CheckpointError, CheckpointTrace, StateUpdatedTwi
 
 # public name -> module that defines it (see DESIGN.md, "ckptlib: one module per idea")
 _PUBLIC = {
+    "apply_checkpointing": "apply",
+    "remove_checkpointing": "apply",
     "checkpoint_sequential": "sequential",
     "Plan": "schedules",
     "uniform": "schedules",
