@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
@@ -141,13 +142,12 @@ class Checkpointed:
         self.warned: set[str] = set()   # which one-time warnings this handle has given
 
     def remove(self) -> None:
-        """Give every module this handle wrapped its own ``forward`` back."""
+        """Give every module this handle wrapped its own ``forward`` back (``paths`` still says which)."""
         for path in self.paths:
             module = self.model.get_submodule(path)
             wrapper = _wrapper_of(module)
             if wrapper is not None and wrapper.handle is self:
                 wrapper.restore(module)
-        self.paths = []
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -251,7 +251,7 @@ def _check_how(how: Any) -> None:
 
 
 def _refuse_double_checkpointing(path: str, module: nn.Module) -> None:
-    if getattr(module, "gradient_checkpointing", False) is True and module.training:
+    if getattr(module, "gradient_checkpointing", False) is True and module.training:   # read per call: cheap
         raise CheckpointError(
             f"{path}: Hugging Face's gradient checkpointing is on for this layer as well, so it would be "
             "checkpointed twice (rerun twice in backward). Call model.gradient_checkpointing_disable() "
@@ -271,6 +271,7 @@ class _Wrapper:
         self.path, self.how, self.plans, self.handle = path, how, plans, handle
         self.preserve_rng_state = preserve_rng_state
         self.own_forward = module.__dict__.get("forward")   # an instance forward someone else set (accelerate)
+        self.module = weakref.ref(module)
         inner = module.forward
 
         def region(args: tuple, kwargs: dict) -> Any:
@@ -281,11 +282,17 @@ class _Wrapper:
         self.region = region
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.checkpoints_itself():   # Hugging Face's switch, turned on after apply_checkpointing
+            _refuse_double_checkpointing(self.path, self.module())
         if torch.compiler.is_compiling():
             return _run_under_compile(self, args, kwargs)
         if torch.is_grad_enabled():
             args, kwargs = _without_cache(self, args, kwargs)
         return self.run(args, kwargs)
+
+    def checkpoints_itself(self) -> bool:
+        module = self.module()
+        return getattr(module, "gradient_checkpointing", False) is True and module.training
 
     def run(self, args: tuple, kwargs: dict) -> Any:
         if self.how == "full":

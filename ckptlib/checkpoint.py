@@ -73,6 +73,7 @@ file is the library's version of what notebook 03 builds step by step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -276,9 +277,10 @@ class _Frame:
     @property
     def region(self) -> str:
         """A readable name for this checkpoint call, e.g. ``Block.forward@3``."""
-        name = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+        fn = self.fn.func if isinstance(self.fn, functools.partial) else self.fn   # Hugging Face passes partials
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
         if name.startswith("_VariableFunctions"):  # torch.sin and friends: just "sin"
-            name = self.fn.__name__
+            name = fn.__name__
         return f"{name}@{self.region_number}"
 
     def meta(self, index: int) -> TensorMeta:
