@@ -181,3 +181,20 @@ def test_every_snippet_of_the_hugging_face_page_runs_and_checkpoints_with_ckptli
     assert regions[5] == {f"transformer.h.{i}" for i in range(4)}      # Trainer after apply_checkpointing
     assert regions[6] == {"GPT2Block.forward"}                         # Trainer's switch, swapped in
     assert not any("forward" in vars(module) for module in model.modules())
+
+
+def test_the_readmes_three_lines_run_on_a_hugging_face_model():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Use it on your model", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
+    model = gpt2()
+    batch = {"input_ids": INPUT_IDS, "attention_mask": PADDED, "labels": INPUT_IDS, "use_cache": False}
+    torch.manual_seed(1234)
+    expected = model(**batch).loss
+    torch.manual_seed(1234)
+    with record_trace() as trace:
+        exec(compile(code, "README.md", "exec"), {"model": model, "batch": batch})
+    assert trace.count("recompute") == 4
+    assert not any("forward" in vars(module) for module in model.modules())
+    torch.manual_seed(1234)
+    assert torch.equal(model(**batch).loss, expected)
