@@ -24,6 +24,7 @@ from ckptlib.checkpoint import CheckpointError, CheckpointTrace, StateUpdatedTwi
 _PUBLIC = {
     "apply_checkpointing": "apply",
     "remove_checkpointing": "apply",
+    "plan_checkpointing": "model_plan",
     "checkpoint_sequential": "sequential",
     "Plan": "schedules",
     "uniform": "schedules",

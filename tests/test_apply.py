@@ -187,3 +187,81 @@ def test_under_torch_compile_it_warns_once_naming_the_graph_breaks_and_the_fullg
     assert torch.equal(loss.detach(), plain[0])
     assert all(torch.equal(p.grad, plain[1][name]) for name, p in model.named_parameters())
     remove_checkpointing(model)
+
+
+# ---------------------------------------------------------------------------
+# plan_checkpointing: measured bytes and FLOPs, an exact solver
+# ---------------------------------------------------------------------------
+
+from itertools import combinations   # noqa: E402
+
+from ckptlib.model_plan import ModuleCost, _fastest_within, _peak, plan_checkpointing   # noqa: E402
+
+
+def kept_after_forward(model: nn.Module, *inputs, **keyword_inputs) -> int:
+    """Bytes autograd keeps for backward at the end of the forward (parameters excluded), counted from outside."""
+    state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in state:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*inputs, **keyword_inputs)
+    return sum(seen.values())
+
+
+def test_the_plan_predicts_exactly_what_autograd_keeps_and_fits_its_budget():
+    model = Net(depth=6)
+    inputs = batch()
+    plain = plan_checkpointing(model, inputs, budget_bytes=10**9)
+    assert plain.checkpointed == () and plain.saved_bytes == kept_after_forward(model, *inputs)
+    for share in (0.8, 0.6, 0.4):
+        plan = plan_checkpointing(model, inputs, budget_bytes=int(plain.saved_bytes * share))
+        assert plan.peak_bytes <= plan.budget_bytes and plan.checkpointed
+        with apply_checkpointing(model, plan) as handle:
+            assert handle.paths == list(plan.checkpointed)
+            assert plan.kept_bytes == kept_after_forward(model, *inputs)
+            assert_bitwise(step(Net(depth=6)), step(model))
+
+
+def test_the_same_plan_on_every_run_and_a_table_that_shows_it():
+    model = Net(depth=6)
+    plain = plan_checkpointing(model, batch(), budget_bytes=10**9)
+    plans = [plan_checkpointing(Net(depth=6), batch(), budget_bytes=plain.saved_bytes // 2) for _ in range(2)]
+    assert plans[0] == plans[1]
+    table = str(plans[0]).splitlines()
+    assert table[0].split() == ["module", "checkpointed", "bytes", "kept", "bytes", "dropped", "rerun", "FLOPs"]
+    assert len(table) == 1 + 6 + 1 and all(line.startswith(f"layers.{i} ") for i, line in enumerate(table[1:7]))
+    assert f"budget {plain.saved_bytes // 2:,}" in table[-1]
+
+
+def test_the_solver_finds_the_least_flops_that_fit_as_brute_force_does():
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        n = int(torch.randint(1, 7, (1,), generator=generator))
+        costs = tuple(ModuleCost(f"m{i}", int(torch.randint(1, 50, (1,), generator=generator)), 0,
+                                 int(torch.randint(1, 50, (1,), generator=generator))) for i in range(n))
+        saved = sum(c.dropped_bytes for c in costs) + 20
+        budget = int(torch.randint(20, saved + 5, (1,), generator=generator))
+        fitting = [subset for k in range(n + 1) for subset in combinations(costs, k)
+                   if (_peak(saved, [c.dropped_bytes for c in subset]) if subset else saved) <= budget]
+        try:
+            chosen = _fastest_within(costs, saved, budget)
+        except ValueError:
+            assert not fitting
+            continue
+        least = min(sum(c.rerun_flops for c in subset) for subset in fitting)
+        assert sum(c.rerun_flops for c in costs if c.path in chosen) == least
+
+
+def test_a_budget_no_plan_fits_names_the_least_one():
+    model = Net()
+    with pytest.raises(ValueError, match=r"no choice of the 4 candidate modules keeps the activations within "
+                                         r"1,000 bytes: plain autograd keeps [\d,]+, and checkpointing every "
+                                         r"candidate still [\d,]+\. Raise budget_bytes"):
+        plan_checkpointing(model, batch(), budget_bytes=1000)
+    assert_nothing_installed()

@@ -13,6 +13,7 @@ import torch
 import ckptlib
 from ckptlib import CheckpointError, apply_checkpointing, record_trace, remove_checkpointing
 from tests._misuse import assert_nothing_installed
+from tests.test_apply import kept_after_forward
 
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
 transformers.logging.set_verbosity_error()   # config notes about random-weight models, not ours to test
@@ -198,3 +199,16 @@ def test_the_readmes_three_lines_run_on_a_hugging_face_model():
     assert not any("forward" in vars(module) for module in model.modules())
     torch.manual_seed(1234)
     assert torch.equal(model(**batch).loss, expected)
+
+
+def test_plan_checkpointing_on_llama_is_the_same_twice_predicts_what_is_kept_and_trains_bitwise():
+    inputs = {"input_ids": INPUT_IDS, "attention_mask": PADDED, "labels": INPUT_IDS, "use_cache": False}
+    everything = ckptlib.plan_checkpointing(llama(), inputs, budget_bytes=10**12)
+    plans = [ckptlib.plan_checkpointing(llama(), inputs, budget_bytes=everything.saved_bytes * 7 // 10)
+             for _ in range(2)]
+    assert plans[0] == plans[1] and plans[0].checkpointed
+    model = llama()
+    plain = step(model)
+    with apply_checkpointing(model, plans[0]):
+        assert kept_after_forward(model, **inputs) == plans[0].kept_bytes <= plans[0].budget_bytes   # mask too
+        assert_bitwise(plain, step(model))
