@@ -265,3 +265,22 @@ def test_a_budget_no_plan_fits_names_the_least_one():
                                          r"candidate still [\d,]+\. Raise budget_bytes"):
         plan_checkpointing(model, batch(), budget_bytes=1000)
     assert_nothing_installed()
+
+
+def test_checkpoint_sequential_passes_the_layers_keyword_arguments_and_refuses_a_non_dict():
+    from ckptlib.sequential import checkpoint_sequential
+
+    model = Net()
+    x, mask = batch()
+    expected = x.clone().requires_grad_()
+    out = expected
+    for layer in model.layers:
+        out = layer(out, mask=mask, scale=0.5)
+    out.sum().backward()
+    got = x.clone().requires_grad_()
+    checkpointed = checkpoint_sequential(model.layers, 2, got, layer_kwargs={"mask": mask, "scale": 0.5})
+    checkpointed.sum().backward()
+    assert torch.equal(checkpointed, out) and torch.equal(got.grad, expected.grad)
+    with pytest.raises(TypeError, match=r"layer_kwargs must be a dict of keyword arguments for every layer.*got tuple"):
+        checkpoint_sequential(model.layers, 2, x, layer_kwargs=(mask,))
+    assert_nothing_installed()

@@ -212,3 +212,39 @@ def test_plan_checkpointing_on_llama_is_the_same_twice_predicts_what_is_kept_and
     with apply_checkpointing(model, plans[0]):
         assert kept_after_forward(model, **inputs) == plans[0].kept_bytes <= plans[0].budget_bytes   # mask too
         assert_bitwise(plain, step(model))
+
+
+def test_checkpoint_sequential_and_the_cost_measurement_take_the_layers_keyword_arguments():
+    from ckptlib.schedules import plan_for_budget, revolve
+    from ckptlib.sequential import checkpoint_sequential, measure_layer_costs
+
+    model = llama()
+    seen = {}
+    handle = model.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.update(hidden=args[0].detach(), kwargs=kwargs), with_kwargs=True)
+    model(input_ids=INPUT_IDS, attention_mask=PADDED, use_cache=False)
+    handle.remove()
+    kwargs = {name: value for name, value in seen["kwargs"].items() if name != "cache"}
+    assert {"attention_mask", "position_embeddings"} <= kwargs.keys()
+    layers = model.model.layers
+
+    def gradients(run):
+        hidden = seen["hidden"].clone().requires_grad_()
+        model.zero_grad(set_to_none=True)
+        output = run(hidden)
+        output.square().sum().backward()
+        return output.detach(), [hidden.grad, *(p.grad for p in layers.parameters())]
+
+    def plain(hidden, **extra):
+        for layer in layers:
+            hidden = layer(hidden, **{**kwargs, **extra})
+        return hidden
+
+    expected = gradients(plain)
+    assert not torch.equal(gradients(lambda h: plain(h, attention_mask=None))[0], expected[0])   # the mask matters
+    for plan in (2, revolve(4, 2)):
+        got = gradients(lambda h: checkpoint_sequential(layers, plan, h, layer_kwargs=kwargs))
+        assert torch.equal(got[0], expected[0]) and all(map(torch.equal, got[1], expected[1]))
+    costs = measure_layer_costs(layers, seen["hidden"], layer_kwargs=kwargs, repeat=1)
+    assert len(costs) == 4 and all(cost.saved_bytes > cost.input_bytes > 0 for cost in costs)
+    assert plan_for_budget(costs, sum(cost.saved_bytes for cost in costs) // 2).forward_steps > 0
