@@ -3,6 +3,7 @@ bitwise against no checkpointing and against HF's own switch, keys, masks, the c
 every snippet of docs/huggingface.md."""
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from pathlib import Path
@@ -248,3 +249,34 @@ def test_checkpoint_sequential_and_the_cost_measurement_take_the_layers_keyword_
     costs = measure_layer_costs(layers, seen["hidden"], layer_kwargs=kwargs, repeat=1)
     assert len(costs) == 4 and all(cost.saved_bytes > cost.input_bytes > 0 for cost in costs)
     assert plan_for_budget(costs, sum(cost.saved_bytes for cost in costs) // 2).forward_steps > 0
+
+
+def test_selective_plans_are_reused_through_hfs_partials_bitwise():
+    from ckptlib.selective import SelectivePlans, selective_checkpoint
+
+    model = gpt2()                # dropout on: the reused plans replay its masks too
+    plain = step(model)
+    plans = SelectivePlans()
+    function = functools.partial(selective_checkpoint, policy=ckptlib.save_matmuls, plans=plans)
+    model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=function)
+    for _ in range(3):
+        got = step(model)
+    model.activation_checkpointing_disable()
+    assert (len(plans), plans.recorded, plans.reused, plans.fallbacks) == (4, 4, 8, 0)   # one plan per layer
+    assert_bitwise(plain, got)
+
+
+@pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])
+def test_no_policy_holds_more_than_plain_autograd(make):
+    model = make().eval()         # no dropout: the same ops every step
+    ids = torch.randint(0, VOCAB, (4, 64), generator=torch.Generator().manual_seed(0))
+
+    def training_step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+
+    plain = ckptlib.measure(training_step).peak_bytes
+    for policy in (ckptlib.save_matmuls, ckptlib.megatron_attention):
+        with apply_checkpointing(model, how=policy):
+            peak = ckptlib.measure(training_step).peak_bytes
+        assert peak <= plain, f"{policy}: peak {peak} > plain autograd's {plain}"
