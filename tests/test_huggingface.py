@@ -167,7 +167,7 @@ def test_hfs_switch_and_apply_checkpointing_together_are_refused_either_way_roun
 def test_every_snippet_of_the_hugging_face_page_runs_and_checkpoints_with_ckptlib(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)              # Trainer's output_dir
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
-    assert len(blocks) == 7
+    assert len(blocks) == 8
     namespace: dict = {}
     regions = []
     for number, block in enumerate(blocks):
@@ -180,8 +180,11 @@ def test_every_snippet_of_the_hugging_face_page_runs_and_checkpoints_with_ckptli
     assert namespace["handle"].paths == ["transformer.h.0", "transformer.h.2"]
     assert regions[3] == set()                                         # HF's switch: torch.utils.checkpoint
     assert regions[4] == {"GPT2Block.forward"}                         # HF's switch, ckptlib's function
-    assert regions[5] == {f"transformer.h.{i}" for i in range(4)}      # Trainer after apply_checkpointing
-    assert regions[6] == {"GPT2Block.forward"}                         # Trainer's switch, swapped in
+    assert regions[5] == {"GPT2Block.forward"}                         # selective, through HF's switch
+    plans = namespace["plans"]
+    assert (len(plans), plans.recorded, plans.reused) == (4, 4, 4)      # each layer's plan reused
+    assert regions[6] == {f"transformer.h.{i}" for i in range(4)}      # Trainer after apply_checkpointing
+    assert regions[7] == {"GPT2Block.forward"}                         # Trainer's switch, swapped in
     assert not any("forward" in vars(module) for module in model.modules())
 
 
