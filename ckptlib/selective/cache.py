@@ -54,7 +54,7 @@ A policy with ``cap_every_op = True`` (``megatron_attention``, which chooses by
 shape and so picks many such outputs) has the same count made before every op of
 the forward pass, so not even the forward holds more than plain autograd would.
 This needs the checkpoint to report what autograd saves (ckptlib's does, with
-``skip_unneeded=True``); a random in-place op's private copy is not counted.
+``skip_unneeded=True``); a random in-place op's private copy (dropout's mask) counts only there.
 
 When the cache is freed. The cache holds what autograd would otherwise keep as
 saved tensors, so it follows their lifetime:

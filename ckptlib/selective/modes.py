@@ -143,7 +143,9 @@ class SaveChosenOps(TorchDispatchMode):
         graph = cache.graph
         if graph is not None:
             graph.record(func, position, kind, args, kwargs, output)
-            if saved is not None and not saved.in_place and graph.calls and graph.calls[-1].key == (func, position):
+            # A random in-place op's private copy counts only where the cap is checked at every op.
+            counted = saved is not None and (not saved.in_place or cache.cap_every_op)
+            if counted and graph.calls and graph.calls[-1].key == (func, position):
                 cache.note_cached((func, position), graph.calls[-1].outputs)
         return output
 
