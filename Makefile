@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt | check-python
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) \
 	  || { echo "Could not create $(VENV): on Debian/Ubuntu install python3-venv (apt-get install python3-venv)."; exit 1; }
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[course,test]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[course,test,hf]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (ckptlib)" >/dev/null
 	@touch $(STAMP)
 	@echo "Environment ready in $(VENV)."

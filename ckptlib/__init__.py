@@ -22,6 +22,9 @@ from ckptlib.checkpoint import CheckpointError, CheckpointTrace, StateUpdatedTwi
 
 # public name -> module that defines it (see docs/design.md, "Module map")
 _PUBLIC = {
+    "apply_checkpointing": "apply",
+    "remove_checkpointing": "apply",
+    "plan_checkpointing": "model_plan",
     "checkpoint_sequential": "sequential",
     "Plan": "schedules",
     "uniform": "schedules",

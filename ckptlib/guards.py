@@ -198,6 +198,8 @@ def function_name(fn: Any) -> str:
 
     Never raises: a user's callable may answer every attribute (a proxy) or raise from a property.
     """
+    while type(fn) is functools.partial:   # Hugging Face passes partials: name what they call
+        fn = fn.func
     try:
         name = getattr(fn, "__qualname__", None)
         if isinstance(name, str) and name.startswith("_VariableFunctions"):  # torch.sin and friends: "sin"

@@ -283,9 +283,12 @@ _checked_functions: dict[int, Any] = {}
 
 def _code_of(fn: Callable[..., Any]) -> Any:
     """What identifies "the same function" across calls: a function's code (a lambda made anew in
-    a loop has one), a bound method's function, otherwise the callable's class (a module)."""
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "__func__", None), "__code__", None)
-    return code if code is not None else type(fn)
+    a loop has one), a bound method's function, otherwise the callable's class (a module).
+    Only real functions and methods are asked, by their type: a user's callable may answer every
+    attribute (a proxy) or raise from one."""
+    if isinstance(fn, types.MethodType):
+        fn = fn.__func__
+    return fn.__code__ if isinstance(fn, types.FunctionType) else type(fn)
 
 
 def _foreign_states() -> tuple[Any, Any]:

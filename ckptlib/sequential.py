@@ -36,6 +36,7 @@ def checkpoint_sequential(
     segments_or_plan: int | Plan,
     input: Any,
     *,
+    layer_kwargs: dict[str, Any] | None = None,
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
 ) -> Any:
@@ -49,6 +50,9 @@ def checkpoint_sequential(
             (``schedules.uniform(len(modules), k)``); or a ``schedules.Plan``
             for ``len(modules)`` layers, e.g. ``revolve(len(modules), 3)``.
         input: the first module's input.
+        layer_kwargs: keyword arguments every module is called with, in forward and in
+            the reruns: ``module(x, **layer_kwargs)`` (an attention mask, Llama's
+            ``position_embeddings``).
         preserve_rng_state: passed to every ``checkpoint`` (dropout replays its masks).
         use_reentrant: accepted for drop-in compatibility; only ``None``/``False``.
 
@@ -78,29 +82,32 @@ def checkpoint_sequential(
     plan = _as_plan(segments_or_plan, len(layers))
     flag(preserve_rng_state, "preserve_rng_state", where="checkpoint_sequential")
     check_not_reentrant("checkpoint_sequential", use_reentrant, "torch.utils.checkpoint.checkpoint_sequential")
-    return _run(plan.body, layers, input, preserve_rng_state)
+    return _run(plan.body, layers, input, _checked_kwargs(layer_kwargs, "checkpoint_sequential"), preserve_rng_state)
 
 
-Layers = Union[list[Callable[[Any], Any]], dict[int, Callable[[Any], Any]]]   # by index in the chain
+Layers = Union[list[Callable[..., Any]], dict[int, Callable[..., Any]]]   # by index in the chain
 
 
-def _run(steps: tuple[Step, ...], layers: Layers, x: Any, preserve_rng_state: bool) -> Any:
+def _run(steps: tuple[Step, ...], layers: Layers, x: Any, kwargs: dict[str, Any],
+         preserve_rng_state: bool) -> Any:
     for step in steps:
         if isinstance(step, Segment):
-            x = checkpoint(_segment_function(step, layers, preserve_rng_state), x,
+            # The keyword arguments go through checkpoint as an input, so a tensor among them is kept.
+            inputs = (x, kwargs) if kwargs else (x,)
+            x = checkpoint(_segment_function(step, layers, preserve_rng_state), *inputs,
                            preserve_rng_state=preserve_rng_state)
         else:
-            x = layers[step](x)
+            x = layers[step](x, **kwargs)
     return x
 
 
-def _segment_function(segment: Segment, layers: Layers, preserve_rng_state: bool) -> Callable[[Any], Any]:
+def _segment_function(segment: Segment, layers: Layers, preserve_rng_state: bool) -> Callable[..., Any]:
     # The function holds only the segment's own layers: the checkpoint's guards watch the modules
     # its function reaches, and a BatchNorm in a later segment is none of this one's business.
     own_layers = {index: layers[index] for index in range(segment.start, segment.stop)}
 
-    def run_segment(x: Any) -> Any:
-        return _run(segment.body, own_layers, x, preserve_rng_state)
+    def run_segment(x: Any, kwargs: dict[str, Any] | None = None) -> Any:
+        return _run(segment.body, own_layers, x, kwargs or {}, preserve_rng_state)
 
     # checkpoint names its region after the function: traces then read "layers[4:8]@12".
     run_segment.__qualname__ = f"layers[{segment.start}:{segment.stop}]"
@@ -142,7 +149,17 @@ def _as_plan(segments_or_plan: int | Plan, n: int) -> Plan:
     return uniform(n, segments)
 
 
-def measure_layer_costs(modules: Modules, input: Any, *, repeat: int = 3) -> list[LayerCost]:
+def _checked_kwargs(layer_kwargs: Any, where: str) -> dict[str, Any]:
+    if layer_kwargs is None:
+        return {}
+    if not isinstance(layer_kwargs, dict) or not all(isinstance(name, str) for name in layer_kwargs):
+        raise TypeError(f"{where}: layer_kwargs must be a dict of keyword arguments for every layer, e.g. "
+                        f"{{'attention_mask': mask}}, or None; got {type(layer_kwargs).__name__}.")
+    return layer_kwargs
+
+
+def measure_layer_costs(modules: Modules, input: Any, *, repeat: int = 3,
+                        layer_kwargs: dict[str, Any] | None = None) -> list[LayerCost]:
     """Measure each layer's ``LayerCost`` (input bytes, saved bytes, forward seconds) on ``input``.
 
     Each layer runs on a detached copy of the previous layer's output (floating
@@ -150,6 +167,8 @@ def measure_layer_costs(modules: Modules, input: Any, *, repeat: int = 3) -> lis
     storages autograd saves for the layer's backward, its input included and its
     parameters and buffers excluded; ``forward_s`` is the fastest of ``repeat``
     forward calls with grad enabled. The result feeds ``schedules.plan_for_budget``.
+    Each layer is called as ``layer(x, **layer_kwargs)``; tensors in ``layer_kwargs`` (a mask)
+    are the caller's, alive through the step, and not counted.
 
     >>> import torch, torch.nn as nn
     >>> costs = measure_layer_costs(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), torch.randn(4, 8))
@@ -160,10 +179,12 @@ def measure_layer_costs(modules: Modules, input: Any, *, repeat: int = 3) -> lis
     layers = _as_layers(modules)
     if not layers:
         raise ValueError("measure_layer_costs: modules is empty; pass the layers to measure.")
+    kwargs = _checked_kwargs(layer_kwargs, "measure_layer_costs")
+    shared = {t.untyped_storage().data_ptr() for t in _tensors(kwargs)}
     costs = []
     x = _fresh_input(input)
     for layer in layers:
-        own = {t.untyped_storage().data_ptr() for t in _state_tensors(layer)}
+        own = shared | {t.untyped_storage().data_ptr() for t in _state_tensors(layer)}
         saved: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -174,12 +195,12 @@ def measure_layer_costs(modules: Modules, input: Any, *, repeat: int = 3) -> lis
 
         with torch.enable_grad():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-                output = layer(x)
+                output = layer(x, **kwargs)
             seconds = []
             for _ in range(repeat):
                 _synchronize(output)
                 began = time.perf_counter()
-                layer(x)
+                layer(x, **kwargs)
                 _synchronize(output)
                 seconds.append(time.perf_counter() - began)
         costs.append(LayerCost(_storage_bytes(x), sum(saved.values()), min(seconds)))

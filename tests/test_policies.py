@@ -1030,3 +1030,26 @@ def test_reused_plans_with_nested_checkpoints(policy):
             lambda: checkpoint(lambda t: selective_checkpoint(outer, t, policy=policy, plans=plans), x), [x, w]))
     assert plans.reused > 0 and plans.fallbacks == plans.mismatches == 0
     assert not saved_hooks_installed()
+
+
+def test_plans_that_die_with_a_function_made_per_call_are_named_once():
+    import warnings
+
+    plans = SelectivePlans()
+    linear = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            selective_checkpoint(lambda t: linear(t).tanh(), x, policy=save_matmuls, plans=plans).sum().backward()
+    messages = [str(w.message) for w in caught]
+    assert (plans.recorded, plans.reused) == (3, 0)
+    assert len(messages) == 1 and "2 calls recorded a plan and none reused one" in messages[0]
+    assert "<lambda>), a new object at every call" in messages[0] and "Define the function once" in messages[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # one function, defined once: reused, nothing to say
+        plans = SelectivePlans()
+        block = lambda t: linear(t).tanh()   # noqa: E731
+        for _ in range(3):
+            selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
+    assert (plans.recorded, plans.reused) == (1, 2)

@@ -40,6 +40,22 @@ something later modifies it in place (``y = x @ w; y.relu_()``), the cached
 value is not the op's output any more: the forward mode drops such entries when
 the forward pass ends, and a replay that finds a changed version reruns the op.
 
+Never more than plain autograd. A policy may choose outputs autograd itself would
+not keep (a residual sum, a scores matrix that only feeds the softmax: results no
+backward formula needs). Kept, they could make a selective checkpoint hold *more*
+than no checkpoint at all. So when forward ends, the cached outputs that autograd
+did not save and that the function no longer holds (only the cache keeps their
+memory) may use at most the bytes the checkpoint dropped (saved by autograd, not
+cached); beyond that the largest are forgotten, and the rerun recomputes such a
+call if anything needs it (checking its input shapes still), or skips it. Outputs
+autograd saved cost what plain autograd spends on them, so they always stay.
+
+A policy with ``cap_every_op = True`` (``megatron_attention``, which chooses by
+shape and so picks many such outputs) has the same count made before every op of
+the forward pass, so not even the forward holds more than plain autograd would.
+This needs the checkpoint to report what autograd saves (ckptlib's does, with
+``skip_unneeded=True``); a random in-place op's private copy (dropout's mask) counts only there.
+
 When the cache is freed. The cache holds what autograd would otherwise keep as
 saved tensors, so it follows their lifetime:
 
@@ -82,6 +98,12 @@ def _default_generator(tensor: torch.Tensor) -> torch.Generator | None:
         index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
         return torch.cuda.default_generators[index]
     return None
+
+
+def _held_by_cache_only(tensor: torch.Tensor) -> bool:
+    """Is the cache's alias the only tensor on this memory? (The storage's strong uses are that
+    alias and the storage's Python object.)"""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= 2
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
@@ -160,6 +182,11 @@ class _OpCache:
         self.sequence: tuple[OpOverload, ...] | None = None
         self.on_mismatch: Callable[[], None] | None = None
         self.passthrough = False     # nothing cached, nothing counted: the rerun runs every op
+        # (forward, while the op graph is recorded) cached calls not saved by autograd so far -> their values
+        self.pending: dict[tuple[OpOverload, int], tuple[int, ...]] = {}
+        self.cached_saved_bytes = 0     # bytes of cached outputs autograd saved (plain autograd keeps those too)
+        self.cap_every_op = False       # check the cap before every op, not only at the end (a policy's)
+        self.dropped_shapes: dict[tuple[OpOverload, int], tuple[torch.Size, ...]] = {}   # forgotten calls' inputs
         self.input_storages: frozenset[int] = frozenset()    # the function's inputs' (for fingerprints)
 
     @property
@@ -175,11 +202,43 @@ class _OpCache:
             for position in [p for p, saved in by_position.items() if saved.is_stale()]:
                 del by_position[position]
 
+    def note_cached(self, key: tuple[OpOverload, int], values: tuple[int, ...]) -> None:
+        """(forward) Call ``key`` was cached; its outputs are the graph's ``values``."""
+        self.pending[key] = values
+
+    def release_dead(self) -> None:
+        """(forward, before each op, and at its end) Hold no more than plain autograd would (see
+        "Never more than plain autograd"): the cached outputs autograd did not save and the function
+        no longer holds may take up only the bytes autograd saved that the cache does not hold;
+        beyond that, the largest are forgotten."""
+        saved_values = self.graph.saved_values
+        dead: list[tuple[int, str, int, tuple[OpOverload, int]]] = []
+        for key, values in list(self.pending.items()):
+            entry = self.saved.get(key[0], {}).get(key[1])
+            if entry is None:
+                del self.pending[key]
+            elif not saved_values.isdisjoint(values):      # saved: plain autograd keeps it too
+                self.cached_saved_bytes += entry.nbytes
+                del self.pending[key]
+            elif all(_held_by_cache_only(t) for t in _tensors(entry.value)):
+                dead.append((entry.nbytes, str(key[0]), key[1], key))
+        extra_bytes = sum(item[0] for item in dead)
+        allowance = self.graph.saved_bytes - self.cached_saved_bytes
+        for nbytes, _, _, (func, position) in sorted(dead, key=lambda item: (-item[0], item[1], item[2])):
+            if extra_bytes <= allowance:
+                break
+            # The rerun runs this call again, but still checks that its inputs have the forward's shapes.
+            self.dropped_shapes[(func, position)] = self.saved[func].pop(position).input_shapes
+            del self.pending[(func, position)]
+            extra_bytes -= nbytes
+
     def finish_forward(self, completed: bool = True) -> None:
         """Forward is over: forget entries modified since, and plan which calls to skip (and,
         if it ``completed`` and a plan is wanted, hand what a reusable plan is made of to ``plan_sink``)."""
         self.drop_stale()
         if self.graph is not None:
+            self.release_dead()
+            self.pending.clear()
             cached = {(func, position) for func, by_position in self.saved.items() for position in by_position}
             self.skippable = self.graph.unneeded_calls(cached)
             if completed and self.plan_sink is not None and self.graph.packs is not None \
@@ -216,6 +275,12 @@ class _OpCache:
         raise CheckpointError(
             head + "The checkpointed function must run the same ops in both passes: no branches on "
             "random numbers, time, global flags or train/eval mode changed in between.")
+
+    def check_dropped(self, func: OpOverload, position: int, args: tuple) -> None:
+        """A call whose cached output was forgotten in forward must see the forward's input shapes."""
+        expected = self.dropped_shapes.get((func, position))
+        if expected is not None and _shapes(args) != expected:
+            _raise_shape_mismatch(func, position, args, expected)
 
     def take(self, func: OpOverload, position: int, args: tuple, consume: bool) -> _Saved | None:
         """The entry for call ``position`` of ``func``, if saved; ``consume`` forgets it

@@ -144,9 +144,10 @@ def megatron_attention(op: OpOverload, *args: Any, **kwargs: Any) -> bool:
     batched matmuls. Everything else is kept: layer norms, linear layers, GELU,
     residual adds and the residual dropouts, all on ``batch x seq x d_model``
     tensors. The saved memory is the ``O(seq^2)`` scores; the price is the
-    attention's share of the flops, small when ``d_model`` is large. It keeps a
-    lot (every output outside the core, even ones autograd itself would not
-    save), so it pays off where the scores dominate: long sequences, many heads.
+    attention's share of the flops, small when ``d_model`` is large. By shape it
+    also chooses outputs no backward formula needs (a residual sum, a dropout's
+    output); those it lets go where keeping them would hold more than plain
+    autograd does (``cap_every_op``), so it never holds more than no checkpoint would.
 
     Written for Transformers: in a model with other 4-d tensors (images), the
     dims rule also recomputes those.
@@ -164,4 +165,9 @@ def megatron_attention(op: OpOverload, *args: Any, **kwargs: Any) -> bool:
     if op.overloadpacket in ATTENTION_CORE_OPS:
         return False
     return all(t.dim() < 4 for t in _tensors((args, tuple(kwargs.values()))))
+
+
+# By shape alone it also chooses residual sums and dropouts that no backward formula needs: hold it to
+# plain autograd's bytes before every op (ckptlib.selective.cache, "Never more than plain autograd").
+megatron_attention.cap_every_op = True   # type: ignore[attr-defined]
 

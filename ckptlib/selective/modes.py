@@ -137,6 +137,9 @@ class SaveChosenOps(TorchDispatchMode):
         super().__init__()
         self.should_save = _as_predicate(policy)
         self.cache = cache
+        # A policy marked so (megatron_attention) is held to plain autograd's bytes before every op
+        # (see the cache's notes, "Never more than plain autograd").
+        cache.cap_every_op = bool(getattr(policy, "cap_every_op", False))
         self.skip_unneeded = skip_unneeded
 
     def observe_saved_tensors(self) -> Callable[[torch.Tensor], None] | None:
@@ -152,21 +155,29 @@ class SaveChosenOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        cache = self.cache
+        if cache.cap_every_op and cache.pending:
+            cache.release_dead()     # before this op allocates: nothing plain autograd would have freed
         output = func(*args, **kwargs)
         kind = _op_kind(func)
         if kind == _VIEW or _is_parameter_cast(func, args):
             return output
-        cache = self.cache
         position = cache.calls[func]
         cache.calls[func] = position + 1
         if cache.sequence_log is not None:
             cache.sequence_log.append(func)
+        saved = None
         if kind in _CACHEABLE_KINDS and self.should_save(func, args, kwargs):
             saved = _save(func, kind, args, kwargs, output, cache.replay_random)
             if saved is not None:
                 cache.saved.setdefault(func, {})[position] = saved
-        if cache.graph is not None:
-            cache.graph.record(func, position, kind, args, kwargs, output)
+        graph = cache.graph
+        if graph is not None:
+            graph.record(func, position, kind, args, kwargs, output)
+            # A random in-place op's private copy counts only where the cap is checked at every op.
+            counted = saved is not None and (not saved.in_place or cache.cap_every_op)
+            if counted and graph.calls and graph.calls[-1].key == (func, position):
+                cache.note_cached((func, position), graph.calls[-1].outputs)
         return output
 
     def __enter__(self):
@@ -254,6 +265,8 @@ class ReplaySavedOps(TorchDispatchMode):
                 if shapes != skip.input_shapes:
                     _raise_shape_mismatch(func, position, (args, tuple(kwargs.values())), skip.input_shapes)
                 return _from_template(skip.template)
+        if cache.dropped_shapes:
+            cache.check_dropped(func, position, args)
         if func not in cache.saved:     # no call of this op was saved (or the cache is released)
             return func(*args, **kwargs)
         saved = cache.take(func, position, args, self.consume)

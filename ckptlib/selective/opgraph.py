@@ -120,6 +120,8 @@ class _OpGraph:
         self.calls: list[_OpCall] = []
         self.current: dict[int, int] = {}     # storage address -> the value in it now
         self.saved_values: set[int] = set()   # values autograd saved (what a rerun must rebuild)
+        self.saved_bytes_of: dict[int, int] = {}   # their storages' bytes, and the total
+        self.saved_bytes = 0
         self.next_value = 0
         # (recording a reusable plan only) per saved tensor, in pack order: its value and fingerprint
         self.packs: list[tuple[int | None, tuple]] | None = None
@@ -137,6 +139,9 @@ class _OpGraph:
         value = self.current.get(pointer) if pointer is not None else None
         if value is not None:
             self.saved_values.add(value)
+            if value not in self.saved_bytes_of:
+                self.saved_bytes_of[value] = tensor.untyped_storage().nbytes()
+                self.saved_bytes += self.saved_bytes_of[value]
         if self.packs is not None:
             self.packs.append((value, _fingerprint(tensor, self.input_storages, self.first_node)))
 

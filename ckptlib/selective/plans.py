@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import os
 import sys
-import types
 import warnings
 import weakref
 from collections import Counter
@@ -51,7 +50,7 @@ from ckptlib.selective.modes import Policy, ReplaySavedOps, selective_contexts
 from ckptlib.selective.opgraph import _OpGraph, _Skip
 from ckptlib.guards import input_ptrs
 from ckptlib.selective.ops import _input_tensors
-from ckptlib.selective.signatures import _fingerprint, _next_node_number, _signature
+from ckptlib.selective.signatures import _fingerprint, _next_node_number, _signature, _underlying
 
 
 class _Plan(NamedTuple):
@@ -241,6 +240,7 @@ class SelectivePlans:
         self.fallbacks = 0    # of those, calls whose saved tensors differed from the plan's
         self.mismatches = 0   # reruns that ran other ops than the plan's, or needed a skipped result
         self._warned: set[str] = set()    # why some calls could not use plans, said once each
+        self._forgotten = 0   # plans dropped by clear(), still counted in recorded
 
     def __len__(self) -> int:
         """The number of plans held (signatures given up on are not counted)."""
@@ -248,6 +248,7 @@ class SelectivePlans:
 
     def clear(self) -> None:
         """Forget every plan (the counters stay)."""
+        self._forgotten += sum(len(plans) for plans in self._tables.values())
         self._tables.clear()
 
     def __repr__(self) -> str:
@@ -279,7 +280,7 @@ class SelectivePlans:
         if plan is None:
             forward, recompute = selective_contexts(policy, replay_random=replay_random)
             if table is not None:
-                forward.cache.plan_sink = functools.partial(self._learned, table, key)
+                forward.cache.plan_sink = functools.partial(self._learned, table, key, qualname(fn))
                 forward.cache.input_storages = inputs
             return forward, recompute
         self.reused += 1
@@ -290,9 +291,10 @@ class SelectivePlans:
 
     def _table(self, fn: Callable[..., Any]) -> tuple[dict | None, Any]:
         """The plans of ``fn`` (an empty table at first) and the key of its function in them, or
-        ``(None, None)`` where ``fn`` cannot be weakly referenced. A bound method is a new object
-        at every ``block.forward``: its plans follow the instance, keyed by the function."""
-        owner, function = (fn.__self__, fn.__func__) if isinstance(fn, types.MethodType) else (fn, None)
+        ``(None, None)`` where ``fn`` cannot be weakly referenced. A bound method or a
+        ``functools.partial`` is a new object at every call: its plans follow the instance it
+        runs on, keyed by the function (see :func:`~ckptlib.selective.signatures._underlying`)."""
+        owner, function, _, _ = _underlying(fn)
         try:
             return self._tables.setdefault(owner, {}), function
         except TypeError:      # no weak reference (a builtin), or not hashable
@@ -307,10 +309,19 @@ class SelectivePlans:
             self._warned.add(reason)
             warnings.warn(message, stacklevel=_first_frame_outside_ckptlib())
 
-    def _learned(self, table: dict, key: tuple, cache: _OpCache, graph: _OpGraph,
+    def _learned(self, table: dict, key: tuple, name: str, cache: _OpCache, graph: _OpGraph,
                  sequence: tuple[OpOverload, ...]) -> None:
         table[key] = _Plan.learn(cache, graph, sequence)
         self.recorded += 1
+        # Every recorded plan stays in a table while its function lives: fewer held than recorded,
+        # and none ever reused, means the functions die after one call.
+        held = sum(len(plans) for plans in self._tables.values()) + self._forgotten
+        if self.reused == 0 and self.recorded >= 2 and held < self.recorded:
+            self._warn_once("lost", f"SelectivePlans: {self.recorded} calls recorded a plan and none reused "
+                            f"one: each plan died with its function ({name}), a new object at every call "
+                            "(a lambda or a functools.partial made per call), so every call pays for "
+                            "recording. Define the function once and pass that same function (or the "
+                            "module, or its bound method) at every call.")
 
     def _fell_back(self, table: dict, key: tuple) -> None:
         table[key] = _NO_PLAN     # this signature's saved tensors vary: stop trying to reuse

@@ -28,6 +28,8 @@ loudly or runs again (``ReplaySavedOps``).
 """
 from __future__ import annotations
 
+import functools
+import types
 from typing import TYPE_CHECKING, Any, Callable, Collection
 
 import torch
@@ -63,6 +65,26 @@ def _next_node_number() -> int:
     return probe.grad_fn._sequence_nr() + 1
 
 
+def _underlying(fn: Callable[..., Any]) -> tuple[Any, Any, tuple, dict]:
+    """``(owner, function, bound_args, bound_kwargs)``: what a call of ``fn`` really runs.
+
+    Plans follow the owner (weakly) and are keyed by the function. A bound method is a new
+    object at every ``block.forward``: owner the instance, function the method's function.
+    Hugging Face's switch passes a new ``functools.partial(forward, layer, **kwargs)`` at every
+    call: owner the layer, function ``forward``, and the bound arguments join the signature.
+    """
+    bound_args: tuple = ()
+    bound_kwargs: dict = {}
+    while isinstance(fn, functools.partial):
+        bound_args, bound_kwargs = (*fn.args, *bound_args), {**fn.keywords, **bound_kwargs}
+        fn = fn.func
+    if isinstance(fn, types.MethodType):
+        return fn.__self__, fn.__func__, bound_args, bound_kwargs
+    if bound_args and isinstance(bound_args[0], torch.nn.Module):     # partial(Class.forward, module, ...)
+        return bound_args[0], fn, bound_args[1:], bound_kwargs
+    return fn, None, bound_args, bound_kwargs
+
+
 def _signature(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy,
                replay_random: bool, early_stop: bool) -> tuple | None:
     """What must be equal for a call to reuse another's plan (``None``: never reuse): the
@@ -70,6 +92,9 @@ def _signature(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy
     the other arguments, the train/eval flags of a module's submodules, autocast, the
     deterministic-algorithms setting and the caller's dispatch modes and module hooks. The
     saved tensors of the call are checked as well."""
+    owner, _, bound_args, bound_kwargs = _underlying(fn)
+    if bound_args or bound_kwargs:
+        args, kwargs = (*bound_args, *args), {**bound_kwargs, **kwargs}
     try:
         policy_key = frozenset(policy) if isinstance(policy, (set, list, tuple)) else policy
         hash(policy_key)
@@ -83,8 +108,7 @@ def _signature(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy
         hash(parts)
     except TypeError:     # an unhashable policy or argument
         return None
-    module = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    training = tuple([m.training for m in module.modules()]) if isinstance(module, torch.nn.Module) else ()
+    training = tuple([m.training for m in owner.modules()]) if isinstance(owner, torch.nn.Module) else ()
     return (policy_key, structure, parts, training, _autocast_state(), torch.are_deterministic_algorithms_enabled(),
             _ambient_tracing(), replay_random, early_stop)
 

@@ -1,0 +1,373 @@
+"""Checkpointing a user's own model: choose submodules, wrap their ``forward``, undo it later.
+
+Design notes
+============
+
+Which modules. A model is a tree of modules named by path (``transformer.h.1``,
+as ``model.named_modules()`` spells it). ``select`` picks some of them: a module
+class (``GPT2Block``), a path pattern (``"transformer.h.*"``, shell-style, as
+``fnmatch``), a predicate ``(path, module) -> bool``, or, by default, *every
+repeated layer*: the children of the longest ``nn.ModuleList`` / ``nn.Sequential``
+whose children are all of one class (a Transformer's blocks). A selected module
+inside another selected module is left alone: the outer checkpoint already drops
+its activations. ``every_n=k`` then keeps every k-th of them, the first included
+(Hugging Face's ``every_n_layers`` counts the same way).
+
+How they are wrapped. Each chosen module gets an *instance* attribute ``forward``
+that runs the original ``forward`` inside ``ckptlib.checkpoint`` (or a selective
+checkpoint, or under offloading). ``nn.Module.__call__`` looks ``forward`` up on
+the instance first, so the module's hooks (DDP's, FSDP2's, a memory meter's) stay
+outside the checkpoint and run once, as Hugging Face does it. No wrapper module is
+inserted, so ``state_dict`` keys and ``named_parameters`` stay as they were, and
+removing the attribute gives the module its own ``forward`` back.
+
+Names. The function handed to ``checkpoint`` is called after the module's path,
+so traces and errors read ``checkpoint transformer.h.1@13: ...``.
+
+Arguments. Positional and keyword arguments (attention masks, Llama's
+``position_embeddings``) go through ``checkpoint`` as one pytree, so tensors among
+them are kept as inputs and nothing clashes with ``checkpoint``'s own keywords.
+A Hugging Face cache cannot be: the rerun in backward would append the layer's
+keys and values to it a second time. So the checkpointed call gets no cache
+(``None`` in its place, ``use_cache=False``), as Hugging Face's own switch does,
+and a warning says so once, naming ``use_cache=False``, the way to silence it.
+
+``torch.compile``. ``checkpoint`` runs eagerly: Dynamo breaks the graph at each
+checkpointed module. The wrapper says so once, with the count and the
+alternatives; under ``fullgraph=True`` Dynamo refuses with the reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import warnings
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Union
+
+import torch
+import torch.nn as nn
+
+from ckptlib._arguments import integer
+from ckptlib.checkpoint import CheckpointError, checkpoint
+from ckptlib.offload import offload_saved_tensors
+
+__all__ = ["apply_checkpointing", "remove_checkpointing", "Checkpointed", "repeated_layers"]
+
+Selector = Union[None, str, type, tuple, list, Callable[[str, nn.Module], bool]]
+HOWS = ("full", "offload")
+
+
+def apply_checkpointing(
+    model: nn.Module,
+    select: Selector = None,
+    *,
+    how: Any = "full",
+    every_n: int = 1,
+    plans: Any = None,
+    preserve_rng_state: bool = True,
+) -> "Checkpointed":
+    """Checkpoint the chosen submodules of ``model`` in place; returns a handle that undoes it.
+
+    Args:
+        model: any ``nn.Module`` (a Hugging Face model included).
+        select: which submodules: ``None`` for every repeated layer (the children of the
+            longest ``ModuleList``/``Sequential`` of one class), a module class or tuple of
+            classes, a path pattern or list of patterns (``"transformer.h.*"``), a
+            predicate ``(path, module) -> bool``, or a plan from :func:`plan_checkpointing`.
+        how: ``"full"`` (``ckptlib.checkpoint``), ``"offload"`` (keep saved tensors in
+            CPU memory, ``offload_saved_tensors``), or a selective policy
+            (``ckptlib.save_matmuls``, ``ckptlib.megatron_attention``, ...).
+        every_n: checkpoint every n-th selected module, the first included.
+        plans: a ``SelectivePlans`` for a selective ``how`` (reused plans per module).
+        preserve_rng_state: as for ``ckptlib.checkpoint``.
+
+    ``state_dict`` keys and parameters are unchanged; gradients equal plain autograd's.
+    Undo with ``handle.remove()``, ``ckptlib.remove_checkpointing(model)``, or use the
+    handle as a context manager.
+
+    >>> import torch, ckptlib
+    >>> model = ckptlib.TinyTransformer(depth=3)
+    >>> keys = list(model.state_dict())
+    >>> with ckptlib.apply_checkpointing(model) as handle:
+    ...     print(handle)
+    ...     loss = model.training_step()
+    ...     list(model.state_dict()) == keys
+    checkpointed (full): blocks.0, blocks.1, blocks.2
+    True
+    >>> "forward" in vars(model.blocks[0])        # removed again: the class's forward
+    False
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"apply_checkpointing: model must be an nn.Module, got {type(model).__name__}. "
+                        "To checkpoint a function, call ckptlib.checkpoint(fn, *args).")
+    _check_how(how)
+    integer(every_n, "every_n", least=1, where="apply_checkpointing")
+    chosen = _outermost(_selected(model, select))[::every_n]
+    handle = Checkpointed(model, how)
+    for path, module in chosen:
+        _refuse_double_checkpointing(path, module)
+        if _wrapper_of(module) is not None:
+            raise ValueError(f"apply_checkpointing: {path or type(model).__name__} is already checkpointed by "
+                             "ckptlib; call ckptlib.remove_checkpointing(model) before applying again.")
+    for path, module in chosen:
+        _wrap(module, path, how, plans, preserve_rng_state, handle)
+    return handle
+
+
+def remove_checkpointing(model: nn.Module) -> list[str]:
+    """Undo every :func:`apply_checkpointing` on ``model``'s modules; returns the paths restored.
+
+    >>> import ckptlib
+    >>> model = ckptlib.TinyTransformer(depth=2)
+    >>> _ = ckptlib.apply_checkpointing(model, "blocks.1")
+    >>> ckptlib.remove_checkpointing(model)
+    ['blocks.1']
+    """
+    restored = []
+    for path, module in model.named_modules():
+        wrapper = _wrapper_of(module)
+        if wrapper is not None:
+            wrapper.restore(module)
+            restored.append(path)
+    return restored
+
+
+class Checkpointed:
+    """What :func:`apply_checkpointing` did: the module paths wrapped, and how; undo with :meth:`remove`."""
+
+    def __init__(self, model: nn.Module, how: Any) -> None:
+        self.model = model
+        self.how = how
+        self.paths: list[str] = []
+        self.warned: set[str] = set()   # which one-time warnings this handle has given
+
+    def remove(self) -> None:
+        """Give every module this handle wrapped its own ``forward`` back (``paths`` still says which)."""
+        for path in self.paths:
+            module = self.model.get_submodule(path)
+            wrapper = _wrapper_of(module)
+            if wrapper is not None and wrapper.handle is self:
+                wrapper.restore(module)
+
+    def warn_once(self, key: str, message: str) -> None:
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(message, UserWarning, stacklevel=4)
+
+    def __enter__(self) -> "Checkpointed":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __str__(self) -> str:
+        how = self.how if isinstance(self.how, str) else f"selective {getattr(self.how, '__name__', 'policy')}"
+        return f"checkpointed ({how}): " + (", ".join(self.paths) or "nothing")
+
+    __repr__ = __str__
+
+
+# ---------------------------------------------------------------------------
+# Choosing modules
+# ---------------------------------------------------------------------------
+
+
+def repeated_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of the longest ``ModuleList``/``Sequential`` whose children share one class.
+
+    >>> import ckptlib
+    >>> [path for path, _ in repeated_layers(ckptlib.TinyTransformer(depth=2))]
+    ['blocks.0', 'blocks.1']
+    """
+    best: list[tuple[str, nn.Module]] = []
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(container.named_children())
+        if len(children) > max(len(best), 1) and len({type(child) for _, child in children}) == 1:
+            best = [(f"{path}.{name}" if path else name, child) for name, child in children]
+    return best
+
+
+def _selected(model: nn.Module, select: Selector) -> list[tuple[str, nn.Module]]:
+    paths_of = getattr(select, "module_paths", None)   # a plan from plan_checkpointing
+    if paths_of is not None:
+        select = list(paths_of())
+        if not select:
+            return []
+    if select is None:
+        found = repeated_layers(model)
+        if not found:
+            raise ValueError(f"apply_checkpointing: {type(model).__name__} has no ModuleList or Sequential of "
+                             "repeated layers; choose modules with a class, a path pattern such as "
+                             "'encoder.layers.*', or a predicate (path, module) -> bool.")
+        return found
+    test = _matcher(select)
+    found = [(path, module) for path, module in model.named_modules() if test(path, module)]
+    if not found:
+        some = [path for path, _ in model.named_modules() if path][:6]
+        raise ValueError(f"apply_checkpointing: select={select!r} matches no module of {type(model).__name__}; "
+                         f"its modules are named like {', '.join(some)}, ... (model.named_modules()).")
+    return found
+
+
+def _matcher(select: Selector) -> Callable[[str, nn.Module], bool]:
+    if isinstance(select, str):
+        select = [select]
+    if isinstance(select, type) or (isinstance(select, tuple) and all(isinstance(s, type) for s in select)):
+        return lambda path, module: isinstance(module, select)
+    if isinstance(select, (list, tuple)) and all(isinstance(s, str) for s in select):
+        patterns = list(select)
+        return lambda path, module: any(fnmatch.fnmatchcase(path, pattern) for pattern in patterns)
+    if callable(select):
+        return lambda path, module: bool(select(path, module))
+    raise TypeError(f"apply_checkpointing: select must be None, a module class, a path pattern (or a list of "
+                    f"them), or a predicate (path, module) -> bool; got {type(select).__name__}.")
+
+
+def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop modules nested in another selected module (its checkpoint already covers them)."""
+    kept: list[tuple[str, nn.Module]] = []
+    for path, module in found:
+        if not any(path.startswith(outer + ".") or (outer == "" and path) for outer, _ in kept):
+            kept.append((path, module))
+    return kept
+
+
+def _check_how(how: Any) -> None:
+    if isinstance(how, str):
+        if how not in HOWS:
+            raise ValueError(f"apply_checkpointing: how={how!r} is not known; use 'full', 'offload', or a "
+                             "selective policy such as ckptlib.save_matmuls.")
+        return
+    from ckptlib.selective.modes import _as_predicate
+    try:
+        _as_predicate(how)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"apply_checkpointing: how must be 'full', 'offload' or a selective policy: {error}") from None
+
+
+def _refuse_double_checkpointing(path: str, module: nn.Module) -> None:
+    if getattr(module, "gradient_checkpointing", False) is True and module.training:   # read per call: cheap
+        raise CheckpointError(
+            f"{path}: Hugging Face's gradient checkpointing is on for this layer as well, so it would be "
+            "checkpointed twice (rerun twice in backward). Call model.gradient_checkpointing_disable() "
+            "before ckptlib.apply_checkpointing(model), or use only Hugging Face's switch.")
+
+
+# ---------------------------------------------------------------------------
+# Wrapping one module
+# ---------------------------------------------------------------------------
+
+
+class _Wrapper:
+    """The instance ``forward`` of one checkpointed module, and what to put back."""
+
+    def __init__(self, module: nn.Module, path: str, how: Any, plans: Any, preserve_rng_state: bool,
+                 handle: Checkpointed) -> None:
+        self.path, self.how, self.plans, self.handle = path, how, plans, handle
+        self.preserve_rng_state = preserve_rng_state
+        self.own_forward = module.__dict__.get("forward")   # an instance forward someone else set (accelerate)
+        self.module = weakref.ref(module)
+        inner = module.forward
+
+        def region(args: tuple, kwargs: dict) -> Any:
+            return inner(*args, **kwargs)
+
+        # checkpoint names its region after the function: errors and traces read "transformer.h.1@13".
+        region.__qualname__ = region.__name__ = path or type(module).__name__
+        self.region = region
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.checkpoints_itself():   # Hugging Face's switch, turned on after apply_checkpointing
+            _refuse_double_checkpointing(self.path, self.module())
+        if torch.compiler.is_compiling():
+            return _run_under_compile(self, args, kwargs)
+        if torch.is_grad_enabled():
+            args, kwargs = _without_cache(self, args, kwargs)
+        return self.run(args, kwargs)
+
+    def checkpoints_itself(self) -> bool:
+        module = self.module()
+        return getattr(module, "gradient_checkpointing", False) is True and module.training
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        if self.how == "full":
+            return checkpoint(self.region, args, kwargs, preserve_rng_state=self.preserve_rng_state)
+        if self.how == "offload":
+            with offload_saved_tensors():
+                return self.region(args, kwargs)
+        from ckptlib.selective import selective_checkpoint
+        return selective_checkpoint(self.region, args, kwargs, policy=self.how, plans=self.plans,
+                                    preserve_rng_state=self.preserve_rng_state)
+
+    def restore(self, module: nn.Module) -> None:
+        if self.own_forward is None:
+            del module.forward
+        else:
+            module.forward = self.own_forward
+
+
+def _wrap(module: nn.Module, path: str, how: Any, plans: Any, preserve_rng_state: bool,
+          handle: Checkpointed) -> None:
+    wrapper = _Wrapper(module, path, how, plans, preserve_rng_state, handle)
+    module.forward = wrapper   # an instance attribute: nn.Module.__call__ finds it before the class's
+    handle.paths.append(path)
+
+
+def _wrapper_of(module: nn.Module) -> _Wrapper | None:
+    forward = module.__dict__.get("forward")
+    return forward if isinstance(forward, _Wrapper) else None
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face's cache, and torch.compile
+# ---------------------------------------------------------------------------
+
+
+def _is_hf_cache(value: Any) -> bool:
+    """A ``transformers`` cache object (``DynamicCache`` ...), known without importing transformers."""
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
+               for cls in type(value).__mro__)
+
+
+def _without_cache(wrapper: _Wrapper, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The call's arguments with any Hugging Face cache replaced by ``None`` and ``use_cache=False``."""
+    caches = [type(a).__name__ for a in (*args, *kwargs.values()) if _is_hf_cache(a)]
+    if not caches and not kwargs.get("use_cache"):
+        return args, kwargs
+    args = tuple(None if _is_hf_cache(a) else a for a in args)
+    kwargs = {name: (None if _is_hf_cache(value) else value) for name, value in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    if caches:
+        wrapper.handle.warn_once("cache", (
+            f"apply_checkpointing: {wrapper.path} was called with a Hugging Face cache ({caches[0]}); the "
+            "rerun in backward would append to it a second time, so the checkpointed layers run without "
+            "it. Pass use_cache=False to the model when training to silence this warning."))
+    return args, kwargs
+
+
+def _run_under_compile(wrapper: _Wrapper, args: tuple, kwargs: dict) -> Any:
+    """Dynamo breaks the graph here (this function is marked as not traced) and runs it eagerly."""
+    count = len(wrapper.handle.paths)
+    wrapper.handle.warn_once("compile", (
+        f"apply_checkpointing under torch.compile: each of the {count} checkpointed modules "
+        f"({wrapper.handle.paths[0]}, ...) runs eagerly between compiled graphs, {count} graph breaks per "
+        "forward: nothing inside them is compiled or fused, and each break costs a return to Python. "
+        "For one compiled graph, remove_checkpointing(model) and let the compiler recompute: "
+        "torch.utils.checkpoint (Hugging Face's gradient_checkpointing_enable()) or "
+        "torch._functorch.config.activation_memory_budget, with fullgraph=True."))
+    args, kwargs = _without_cache(wrapper, args, kwargs)
+    return wrapper.run(args, kwargs)
+
+
+# The two marks torch.compiler.disable sets (as on ckptlib.checkpoint): Dynamo breaks the graph at the
+# call and runs it eagerly; under fullgraph=True it refuses with this message.
+_run_under_compile._torchdynamo_disable = True   # type: ignore[attr-defined]
+_run_under_compile._torchdynamo_disable_msg = (   # type: ignore[attr-defined]
+    "a module checkpointed by ckptlib.apply_checkpointing runs eagerly under torch.compile: drop "
+    "fullgraph=True, or remove_checkpointing(model) and use torch.utils.checkpoint inside a fullgraph region.")
