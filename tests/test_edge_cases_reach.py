@@ -194,6 +194,21 @@ def test_a_traced_module_and_a_lambda_around_one_give_plain_gradients():
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
+def test_a_traced_module_with_early_stop_on_gives_plain_gradients_where_torch_fails():
+    # The rerun marks its own stop, so a stop wrapped by the TorchScript interpreter is still a stop.
+    layer, traced = traced_layer()
+    for _ in range(3):          # TorchScript's profiling executor: run 1 may differ from run 2
+        traced(torch.randn(3, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    expected = grads(traced(x).tanh().sum(), [x, layer.weight])
+    for fn in (traced, lambda t: traced(t)):
+        assert_bitwise(grads(checkpoint(fn, x).tanh().sum(), [x, layer.weight]), expected)
+    # torch.utils.checkpoint is wrong here: its early stop comes out of the interpreter as an error.
+    with pytest.raises(RuntimeError, match="TorchScript interpreter"):
+        torch_checkpoint(traced, x).tanh().sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
 def test_a_step_on_a_weight_read_inside_torchscript_is_refused():
     layer, traced = traced_layer()
     x = torch.randn(3, 4, requires_grad=True)
