@@ -243,6 +243,14 @@ def _is_size(value: Any) -> bool:
 # ---------------------------------------------------------------------------
 
 
+def _leaf_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The leaf a saved tensor is, or is a view of (a parameter, ``weight.t()``); None otherwise."""
+    if tensor.is_leaf:
+        return tensor
+    base = tensor._base
+    return base if base is not None and base.is_leaf else None
+
+
 class _Frame:
     """Everything one ``checkpoint`` call needs to rerun its function later."""
 
@@ -277,7 +285,10 @@ class _Frame:
         self.debug = debug
         self.weak_holders: list[weakref.ReferenceType[_Holder]] = []
         self.keys: list[tuple] = []  # guards.saved_key of each saved tensor, in pack order
-        self.leaf_ptrs: dict[int, int] = {}  # index -> storage of a saved leaf that requires grad (a parameter)
+        # index -> (id, storage) of a saved leaf that requires grad (a parameter or an input). The
+        # rerun must save the same tensor or the same storage: FSDP2 gathers a parameter anew (same
+        # tensor, new storage); the rerun's inputs are detached (new tensor, same storage).
+        self.leaf_ids: dict[int, tuple[int, int | None]] = {}
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
         self.op_names = OpNames() if self.tracing else None
@@ -288,7 +299,7 @@ class _Frame:
     @property
     def region(self) -> str:
         """A readable name for this checkpoint call, e.g. ``Block.forward@3``."""
-        return f"{guards.function_name(self.fn)}@{self.region_number}"
+        return f"{guards.function_name(self.fn, through_partials=True)}@{self.region_number}"
 
     def meta(self, index: int) -> TensorMeta:
         return TensorMeta.from_key(self.keys[index])
@@ -308,12 +319,11 @@ class _Frame:
         if self.saved_observer is not None:
             self.saved_observer(tensor)
         ptr = guards.storage_ptr(tensor)
-        base = tensor._base
-        leaf = tensor if tensor.is_leaf else base if base is not None and base.is_leaf else None
+        leaf = _leaf_of(tensor)
         if leaf is not None:   # its version is checked before a rerun (one made inside dies first: skipped)
             self.reads.add_saved_leaf(leaf)
-            if ptr and leaf.requires_grad:   # the rerun must save this very parameter (rerun_checks.replaced_parameter)
-                self.leaf_ptrs[len(self.weak_holders)] = ptr
+            if leaf.requires_grad:   # the rerun must save this very parameter (rerun_checks.replaced_parameter)
+                self.leaf_ids[len(self.weak_holders)] = (id(leaf), ptr)
         holder = _Holder(self, len(self.weak_holders), self._frees_memory(leaf, ptr))
         self.weak_holders.append(weakref.ref(holder))
         self.keys.append(guards.saved_key(tensor, ptr, self.input_ptrs))
@@ -532,8 +542,8 @@ class _Frame:
             lost = rerun_checks.lost_transform(self.transforms)
             raise CheckpointError(f"checkpoint {self.region}: " + (
                 lost or guards.key_mismatch(index, self.keys[index], key)))
-        forward_ptr = self.leaf_ptrs.get(index)
-        if forward_ptr is not None and ptr != forward_ptr:
+        forward_leaf = self.leaf_ids.get(index)
+        if forward_leaf is not None and forward_leaf[1] != ptr and forward_leaf[0] != id(_leaf_of(tensor)):
             raise CheckpointError(f"checkpoint {self.region}: {rerun_checks.replaced_parameter(index, self.meta(index))}")
 
     def _mismatch_causes(self) -> str:

@@ -193,12 +193,13 @@ def key_mismatch(index: int, forward: tuple, rerun: tuple) -> str:
 # ---------------------------------------------------------------------------
 
 
-def function_name(fn: Any) -> str:
-    """How a region and its messages name ``fn``: ``Block.forward``, ``sin``, else its type's name.
+def function_name(fn: Any, through_partials: bool = False) -> str:
+    """How a region and its messages name ``fn``: ``Block.forward``, ``sin``, else its type's name;
+    with ``through_partials``, a ``functools.partial`` by what it calls (Hugging Face passes them).
 
     Never raises: a user's callable may answer every attribute (a proxy) or raise from a property.
     """
-    while type(fn) is functools.partial:   # Hugging Face passes partials: name what they call
+    while through_partials and type(fn) is functools.partial:
         fn = fn.func
     try:
         name = getattr(fn, "__qualname__", None)

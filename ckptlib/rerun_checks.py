@@ -23,7 +23,9 @@ says so (:func:`input_modified_by_fn`) instead of blaming a change "after the fo
 
 A parameter replaced between forward and backward (``torch.func.functional_call`` swaps a
 module's parameters only while its call runs) has the same key as the one it replaced. The
-rerun compares the storage of each saved parameter with the forward's (:func:`replaced_parameter`).
+rerun checks that each saved parameter is the tensor the forward saved, or has its storage
+(:func:`replaced_parameter`): FSDP2 gathers a parameter anew for the rerun (the same tensor, another
+storage), and the rerun's own inputs are detached copies (another tensor, the same storage).
 
 Early stop next to a buffer an op fills. An op saves its inputs before it runs. ``rrelu`` saves
 its ``noise`` buffer and its input, then fills the buffer: a rerun stopped at either save hands

@@ -133,6 +133,9 @@ def test_ddp_gradients_equal_without_checkpointing(results):
 
 def test_fsdp2_gradients_equal_without_checkpointing(results):
     if "fsdp_error" in results[0]:
+        # ckptlib's own refusal is a failure, not a platform limit (FSDP2 gathers a parameter anew
+        # for the rerun: the same tensor in another storage, which the checkpoint must accept).
+        assert not results[0]["fsdp_error"].startswith("CheckpointError"), results[0]["fsdp_traceback"]
         pytest.skip(f"FSDP2 (fully_shard) does not run on CPU with gloo here: {results[0]['fsdp_error']}")
     for rank_results in results:
         assert_same_steps(rank_results["fsdp"]["none"], rank_results["fsdp"]["block"])
