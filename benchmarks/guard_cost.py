@@ -9,7 +9,7 @@ block (d_model 128, 4 heads, seq 64, batch 8):
 * plain: no checkpoint;
 * torch: ``torch.utils.checkpoint(block, x, use_reentrant=False)``;
 * ckptlib: ``ckptlib.checkpoint(block, x)`` as shipped;
-* ckptlib, guards off: the same with the guards added for issue 13 switched off *in this
+* ckptlib, guards off: the same with the forward-vs-rerun guards switched off *in this
   script only* (monkeypatched): no producer in the saved-tensor key, no versions of what the
   region reads beyond its inputs, no state-written-twice watch, no generator registration,
   no argument checks. That is the checkpoint as it was before the guards (the one other

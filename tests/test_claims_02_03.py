@@ -1,4 +1,4 @@
-"""Claims of notebooks 02 and 03 that code can check (issue 15), run on the notebooks' own cells.
+"""Claims of notebooks 02 and 03 that code can check, run on the notebooks' own cells.
 
 - 02, Exercise 2 ("save half the bytes"): the self-check measures the bytes the autograd graph
   keeps alive after forward, with the course's ``MemoryMeter``, with and without the learner's

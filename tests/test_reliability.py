@@ -1,4 +1,4 @@
-"""No silent wrong gradients (issue 13): torch.compile, a rerun that changed its ops, weights
+"""No silent wrong gradients: torch.compile, a rerun that changed its ops, weights
 modified between forward and backward, inputs torch accepts, failed backwards, state updated
 twice, threads. Each test names the case it guards; most of them failed before the guards."""
 from __future__ import annotations

@@ -110,10 +110,10 @@ def _interval(bounds: Sequence[float] | None) -> str:
 
 
 def _reference(tradeoff: dict[str, Any]) -> str:
-    reference = tradeoff.get("issue_7_measured")
+    reference = tradeoff.get("earlier_measurement", tradeoff.get("issue_7_measured"))
     if reference is None:
         return ""
-    return f" (issue 7 measured {reference['saving_kept']:.2f} and {reference['extra_time_paid']:.2f})"
+    return f" (an earlier run measured {reference['saving_kept']:.2f} and {reference['extra_time_paid']:.2f})"
 
 
 def _span(bounds: Sequence[float], sign: str) -> str:
