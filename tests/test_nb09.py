@@ -7,12 +7,12 @@
 """
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
 import nbformat
 import pytest
+
+from tests.test_claims_02_03 import cell_source as _cell_source, run_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 NB09 = ROOT / "notebooks" / "09_your_own_model.ipynb"
@@ -21,17 +21,7 @@ MiB = 2**20
 
 
 def cell_source(path: Path, grade_id: str) -> str:
-    cells = [cell for cell in nbformat.read(path, as_version=4).cells
-             if cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id]
-    assert len(cells) == 1, f"{path.name}: expected one cell with grade_id={grade_id!r}, found {len(cells)}"
-    return cells[0].source
-
-
-def run_cell(source: str, namespace: dict) -> str:
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(source, "<notebook cell>", "exec"), namespace)
-    return printed.getvalue()
+    return _cell_source(path, grade_id=grade_id)
 
 
 # (peak bytes, FLOPs): a plane shaped like the notebook's, with a tie on FLOPs at plain's cost.
