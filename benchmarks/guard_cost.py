@@ -73,7 +73,7 @@ def guards_off() -> Iterator[Callable]:
         (guards, "OutsideReads", _InputsOnly),
         (guards, "saved_key", lambda tensor, ptr, input_ptrs: (tensor.shape, tensor.dtype, tensor.device)),
         (rng, "in_use", _no_generator_use),
-        (checkpoint_module, "_check_arguments", lambda *args: None),
+        (checkpoint_module, "check_checkpoint_arguments", lambda *args: None),
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:

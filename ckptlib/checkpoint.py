@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -89,7 +88,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckptlib import guards, rerun_checks, rng
-from ckptlib._arguments import check_not_reentrant, flags, got
+from ckptlib._arguments import check_checkpoint_arguments, checkpoint_contexts, torch_early_stop
 from ckptlib.guards import StateUpdatedTwiceWarning
 from ckptlib.rng import NotReplayedRandomWarning
 from ckptlib.trace import CheckpointTrace, OpNames, TensorMeta, TraceEvent, publish, record_trace, tracing_active
@@ -655,39 +654,6 @@ def _autocast(state) -> ContextManager:
 # ---------------------------------------------------------------------------
 
 
-_DETERMINISM_CHECKS = ("default", "none")   # torch.utils.checkpoint's two
-
-
-def _check_arguments(fn: Any, flag_values: dict[str, Any], context_fn: Any, use_reentrant: Any,
-                     determinism_check: Any) -> None:
-    """Refuse bad arguments at the call, before anything runs."""
-    if not callable(fn):
-        raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
-                        "Pass the function or module itself, e.g. checkpoint(block, x).")
-    flags("checkpoint", **flag_values)
-    if not isinstance(determinism_check, str) or determinism_check not in _DETERMINISM_CHECKS:
-        raise (ValueError if isinstance(determinism_check, str) else TypeError)(
-            f"checkpoint: determinism_check must be 'default' (compare every saved tensor of the "
-            f"recomputation with the forward's) or 'none' (compare none), {got(determinism_check)}.")
-    check_not_reentrant("checkpoint", use_reentrant, "torch.utils.checkpoint for the reentrant variant")
-    if context_fn is not None and not callable(context_fn):
-        raise TypeError(f"checkpoint: context_fn must be None or a function returning two context managers "
-                        f"(forward_context, recompute_context), got {type(context_fn).__name__}.")
-
-
-def _contexts(context_fn: Callable[[], Any] | None) -> tuple[ContextManager, ContextManager]:
-    if context_fn is None:
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    contexts = context_fn()
-    if not (isinstance(contexts, (tuple, list)) and len(contexts) == 2
-            and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in contexts)):
-        shown = repr(contexts) if len(repr(contexts)) < 80 else type(contexts).__name__
-        raise TypeError("checkpoint: context_fn must return two context managers (forward_context, "
-                        f"recompute_context), e.g. lambda: (contextlib.nullcontext(), my_context()); "
-                        f"it returned {shown}.")
-    return contexts[0], contexts[1]
-
-
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
@@ -745,12 +711,12 @@ def checkpoint(
         return _checkpoint_outside_dynamo()(fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop,
                                             debug=debug, context_fn=context_fn, use_reentrant=use_reentrant,
                                             determinism_check=determinism_check, **kwargs)
-    _check_arguments(fn, {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop, "debug": debug},
+    check_checkpoint_arguments(fn, {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop, "debug": debug},
                      context_fn, use_reentrant, determinism_check)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
 
-    frame = _Frame(fn, args, kwargs, preserve_rng_state, _torch_early_stop(early_stop), _contexts(context_fn), debug,
+    frame = _Frame(fn, args, kwargs, preserve_rng_state, torch_early_stop(early_stop), checkpoint_contexts(context_fn), debug,
                    check_keys=determinism_check == "default")
     op_names = frame.op_names if frame.op_names is not None else contextlib.nullcontext()
     rng_context = rng.in_use(frame.rng_state) if preserve_rng_state else contextlib.nullcontext()
@@ -782,13 +748,6 @@ def checkpoint(
         )
     frame.forward_done(rng_use, output)
     return output
-
-
-def _torch_early_stop(early_stop: bool) -> bool:
-    """``early_stop``, unless ``torch.utils.checkpoint.set_checkpoint_early_stop(...)`` is active (torch's meaning)."""
-    torch_checkpoint = sys.modules.get("torch.utils.checkpoint")
-    override = getattr(torch_checkpoint, "_enable_checkpoint_early_stop", None)
-    return early_stop if override is None else override
 
 
 # torch.compile: ``checkpoint`` must run eagerly, never traced (see the notes). Decorating it with

@@ -19,12 +19,9 @@ notebook and its solutions) or by cell id, and executed; nothing long is copied 
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import weakref
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import torch.nn as nn
@@ -36,27 +33,12 @@ import ckptlib
 from ckptlib import CheckpointError, record_trace
 from ckptlib.models import MLPChain
 
+from tests._notebooks import cell_source, run_cell
+
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NB02 = NOTEBOOKS / "02_saved_tensors_hooks.ipynb"
 NB02_SOLUTIONS = NOTEBOOKS / "solutions" / "02_saved_tensors_hooks_solutions.ipynb"
 NB03 = NOTEBOOKS / "03_building_checkpoint.ipynb"
-
-
-def cell_source(path: Path, *, cell_id: str | None = None, grade_id: str | None = None) -> str:
-    """The source of the one cell of ``path`` with this cell id or nbgrader grade id."""
-    cells = [cell for cell in nbformat.read(path, as_version=4).cells
-             if (cell_id is not None and cell.get("id") == cell_id)
-             or (grade_id is not None and cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id)]
-    assert len(cells) == 1, f"{path.name}: expected one cell with id={cell_id!r} grade_id={grade_id!r}, found {len(cells)}"
-    return cells[0].source
-
-
-def run_cell(source: str, namespace: dict) -> str:
-    """Execute a cell's source in ``namespace``; return what it printed."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(source, "<notebook cell>", "exec"), namespace)
-    return printed.getvalue()
 
 
 # ---------------------------------------------------------------- 02, Exercise 2

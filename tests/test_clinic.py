@@ -9,14 +9,13 @@ attempted yet"), with each ``fixed_NAME`` the solution defines replaced by the c
 from __future__ import annotations
 
 import ast
-import contextlib
-import io
-import linecache
 import os
 from pathlib import Path
 
 import nbformat
 import pytest
+
+from tests._notebooks import run_cell
 
 pytestmark = pytest.mark.slow   # the whole notebook, two DDP runs in fresh processes, torch.compile
 
@@ -28,15 +27,6 @@ SOLUTIONS = NOTEBOOKS / "solutions" / "10_clinic_solutions.ipynb"
 def graded_cells(path: Path) -> dict[str, nbformat.NotebookNode]:
     return {cell.metadata["nbgrader"]["grade_id"]: cell
             for cell in nbformat.read(path, as_version=4).cells if "nbgrader" in cell.metadata}
-
-
-def run_cell(source: str, namespace: dict, name: str) -> str:
-    """Execute one cell's code in namespace (its source kept for inspect.getsource); its stdout."""
-    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(source, name, "exec"), namespace)
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckptlib.checkpoint import is_recomputing
-from tests.test_claims_02_03 import cell_source, run_cell
+from tests._notebooks import cell_source, run_cell
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NB04 = NOTEBOOKS / "04_rng_and_state.ipynb"

@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from tests.test_claims_02_03 import cell_source as _cell_source, run_cell
+from tests._notebooks import cell_source as _cell_source, run_cell
 
 ROOT = Path(__file__).resolve().parents[1]
 NB09 = ROOT / "notebooks" / "09_your_own_model.ipynb"

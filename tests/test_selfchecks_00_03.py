@@ -10,14 +10,14 @@ exercise (the setup the exercises use, without other exercises), then the answer
 """
 from __future__ import annotations
 
-import contextlib
-import io
 import textwrap
 from functools import lru_cache
 from pathlib import Path
 
 import nbformat
 import pytest
+
+from tests._notebooks import run_cell as run
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = {"00": "00_welcome_and_setup", "01": "01_autograd_graphs", "02": "02_saved_tensors_hooks",
@@ -39,13 +39,6 @@ def graded_source(number: str, grade: str, solutions: bool = False) -> str:
     found = [cell.source for cell in cells(number, solutions) if grade_id(cell) == grade]
     assert len(found) == 1, f"notebook {number}: expected one cell with grade id {grade!r}, found {len(found)}"
     return found[0]
-
-
-def run(source: str, namespace: dict) -> str:
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        exec(compile(source, "<notebook cell>", "exec"), namespace)
-    return printed.getvalue()
 
 
 def setup(number: str, exercise: str) -> dict:

@@ -17,7 +17,7 @@ import nbformat
 import pytest
 import torch
 
-from tests.test_claims_02_03 import cell_source, run_cell   # a cell by grade id; exec it
+from tests._notebooks import cell_source, run_cell   # a cell by grade id; exec it
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NB06 = NOTEBOOKS / "06_transformer_in_practice.ipynb"
