@@ -104,6 +104,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ckptlib.trace import TensorMeta
+from ckptlib.storage import storage_ptr
 
 __all__ = ["StateUpdatedTwiceWarning", "OutsideReads", "saved_key", "key_mismatch", "storage_ptr", "input_ptrs",
            "MISMATCH_CAUSES"]
@@ -129,19 +130,6 @@ class StateUpdatedTwiceWarning(UserWarning):
 # ---------------------------------------------------------------------------
 # Saved tensors: the key compared at every pack of a rerun
 # ---------------------------------------------------------------------------
-
-
-def storage_ptr(tensor: torch.Tensor) -> int | None:
-    """Where ``tensor``'s storage starts: which memory it lives in, shared by its views and aliases.
-
-    ``None`` where there is no memory to compare: layouts without a storage (sparse, mkldnn,
-    jagged nested), wrapper subclasses without one of their own (FSDP2's sharded parameters),
-    and empty or meta tensors (pointer 0). Selective checkpointing's op graph uses it too.
-    """
-    try:
-        return tensor.untyped_storage().data_ptr() or None
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 def saved_key(tensor: torch.Tensor, ptr: int | None, input_ptrs: Collection[int]) -> tuple:
