@@ -15,13 +15,20 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# Imported eagerly: the function ``checkpoint`` shares its name with the module
-# ``ckptlib/checkpoint.py``; binding it here keeps ``ckptlib.checkpoint`` the function.
-# (Write ``from ckptlib.checkpoint import ...`` to reach the module's other names.)
-from ckptlib.checkpoint import CheckpointError, CheckpointTrace, StateUpdatedTwiceWarning, checkpoint, record_trace
+# Imported eagerly: the function is what ``import ckptlib`` is for. Its module is
+# ``ckptlib.core.checkpoint`` (the mechanism; ``ckptlib/core/__init__.py`` says what to read next).
+from ckptlib.core.checkpoint import CheckpointError, checkpoint
 
 # public name -> module that defines it (see docs/design.md, "Module map")
 _PUBLIC = {
+    "record_trace": "core.trace",
+    "CheckpointTrace": "core.trace",
+    "TraceEvent": "core.trace",
+    "StateUpdatedTwiceWarning": "core.reads",
+    "NotReplayedRandomWarning": "rng",
+    "RecomputeAgain": "core.errors",
+    "is_recomputing": "core.checkpoint",
+    "peek_saved": "core.peek",
     "apply_checkpointing": "apply",
     "remove_checkpointing": "apply",
     "plan_checkpointing": "model_plan",
@@ -60,7 +67,7 @@ _PUBLIC = {
     "PolicyExplorer": "widgets",
 }
 
-__all__ = sorted([*_PUBLIC, "checkpoint", "CheckpointError", "CheckpointTrace", "StateUpdatedTwiceWarning", "record_trace"])
+__all__ = sorted([*_PUBLIC, "checkpoint", "CheckpointError"])
 
 
 def __getattr__(name: str) -> Any:

@@ -48,7 +48,8 @@ import torch
 import torch.nn as nn
 
 from ckptlib._arguments import integer
-from ckptlib.checkpoint import CheckpointError, checkpoint
+from ckptlib.core.errors import CheckpointError
+from ckptlib.core.checkpoint import checkpoint
 from ckptlib.offload import offload_saved_tensors
 
 __all__ = ["apply_checkpointing", "remove_checkpointing", "Checkpointed", "repeated_layers"]

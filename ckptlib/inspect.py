@@ -19,7 +19,7 @@ Around it:
   (autograd numbers nodes as it makes them: ``node._sequence_nr()``; the walk
   from the call's outputs stops at older ones). Reading ``node._saved_mat1``
   goes through the unpack hook, which tells which recorded tensor it was; for
-  dropped tensors ``ckptlib.checkpoint.peek_saved`` answers with the region and
+  dropped tensors ``ckptlib.peek_saved`` answers with the region and
   index, without recomputing anything. That names the node and the attribute.
 
 A Python number in an op (``x * 0.5``) is saved as a 0-dim tensor that
@@ -68,7 +68,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ckptlib._arguments import function, got, integer
-from ckptlib.checkpoint import CheckpointTrace, is_recomputing, peek_saved, record_trace
+from ckptlib.core.trace import CheckpointTrace, record_trace
+from ckptlib.core.checkpoint import is_recomputing
+from ckptlib.core.peek import peek_saved
 from ckptlib.memory import format_bytes
 
 __all__ = ["SavedTensor", "SavedTensorsReport", "ModuleTotals", "record_saved", "saved_tensors_report"]

@@ -91,7 +91,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from ckptlib._arguments import flag, function, got
-from ckptlib.checkpoint import is_recomputing
+from ckptlib.core.checkpoint import is_recomputing
 
 __all__ = ["MemoryMeter", "MemoryReport", "TimelineEntry", "measure", "format_bytes"]
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckptlib._arguments import got, integer, number
-from ckptlib.checkpoint import checkpoint
+from ckptlib.core.checkpoint import checkpoint
 from ckptlib.selective import save_matmuls, selective_checkpoint
 
 if TYPE_CHECKING:

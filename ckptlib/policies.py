@@ -14,7 +14,7 @@ from ckptlib.selective import *  # noqa: F401,F403  (the public names, as before
 from ckptlib.selective import __all__  # noqa: F401
 
 _MODULES = ("entry", "modes", "cache", "opgraph", "ops", "plans", "signatures", "costs")
-_RENAMED = {"_storage_key": ("ckptlib.guards", "storage_ptr")}   # one storage rule for checkpoint and selective
+_RENAMED = {"_storage_key": ("ckptlib.storage", "storage_ptr")}   # one storage rule for checkpoint and selective
 
 
 def __getattr__(name: str) -> Any:

@@ -42,7 +42,6 @@ True
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 import sys
@@ -51,7 +50,7 @@ import types
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -111,36 +110,40 @@ def capture_devices(cuda_devices: tuple[int, ...], generators: Iterable[torch.Ge
     )
 
 
-@contextlib.contextmanager
-def replay(state: RNGState) -> Iterator["in_use"]:
-    """Run the block with the generators set to ``state``; restore the caller's afterwards.
+class replay:
+    """Context manager: run the block with the generators set to ``state``; put the caller's
+    back afterwards (what ``torch.random.fork_rng`` does, for just these generators).
 
-    Yields the block's :class:`in_use` registration (see the notes on threads).
+    Entering gives the block's :class:`in_use` registration (see the notes on threads).
+    (A class, not a generator function: it runs at every rerun.)
     """
-    if not isinstance(state, RNGState):
-        raise TypeError(f"replay: state must be an RNGState from rng.capture(...), got {type(state).__name__}.")
-    callers = _replay_caller_generators(state.caller_generators) if state.caller_generators else _NOTHING
-    with torch.random.fork_rng(devices=list(state.cuda_devices), enabled=True), in_use(state) as use, callers:
+
+    __slots__ = ("state", "caller", "use")
+
+    def __init__(self, state: RNGState) -> None:
+        if not isinstance(state, RNGState):
+            raise TypeError(f"replay: state must be an RNGState from rng.capture(...), got {type(state).__name__}.")
+        self.state = state
+
+    def __enter__(self) -> "in_use":
+        state = self.state
+        self.caller = capture_devices(state.cuda_devices, (g for g, _ in state.caller_generators))
         torch.set_rng_state(state.cpu)
         for device, device_state in zip(state.cuda_devices, state.cuda_states):
             torch.cuda.set_rng_state(device_state, device)
-        yield use
+        for generator, generator_state in state.caller_generators:
+            generator.set_state(generator_state)
+        self.use = in_use(state)
+        return self.use.__enter__()
 
-
-_NOTHING = contextlib.nullcontext()   # stateless: one for every call
-
-
-@contextlib.contextmanager
-def _replay_caller_generators(saved: tuple[tuple[torch.Generator, torch.Tensor], ...]) -> Iterator[None]:
-    """``fork_rng`` for the caller's own generators: set each to its saved state, put it back after."""
-    current = [(generator, generator.get_state()) for generator, _ in saved]
-    try:
-        for generator, state in saved:
-            generator.set_state(state)
-        yield
-    finally:
-        for generator, state in current:
-            generator.set_state(state)
+    def __exit__(self, *exc_info: object) -> None:
+        self.use.__exit__()
+        caller = self.caller
+        torch.set_rng_state(caller.cpu)
+        for device, device_state in zip(caller.cuda_devices, caller.cuda_states):
+            torch.cuda.set_rng_state(device_state, device)
+        for generator, generator_state in caller.caller_generators:
+            generator.set_state(generator_state)
 
 
 def generators_reachable(fn: Callable[..., Any], arguments: Iterable[Any]) -> list[torch.Generator]:
@@ -254,6 +257,20 @@ class in_use:
 
 _users_lock = threading.Lock()
 _users: list[in_use] = []
+
+
+def shared_with_another_thread(before: RNGState, after: RNGState | None, overlap: set) -> str | None:
+    """Why a rerun is refused when another thread's checkpoint used a generator this region draws
+    from while the region's forward or rerun ran (``overlap``); ``None`` when none did."""
+    drawn = drawn_from(before, after) & overlap if overlap and after is not None else set()
+    if not drawn:
+        return None
+    return (f"another thread's checkpoint used the random number generator ({', '.join(map(str, drawn))}) "
+            "while this region's forward or recomputation ran, and this region draws random numbers "
+            "(dropout): the generator is shared by all threads, so the recomputation cannot replay the "
+            "forward's draws and its gradients would be wrong. Run checkpointed steps that draw random "
+            "numbers in one thread at a time (a lock around forward and backward), or use processes "
+            "instead of threads.")
 
 
 def drawn_from(before: RNGState, after: RNGState) -> set:

@@ -23,7 +23,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ckptlib._arguments import check_not_reentrant, flag, integer
-from ckptlib.checkpoint import checkpoint
+from ckptlib.core.checkpoint import checkpoint
 from ckptlib.schedules import LayerCost, Plan, Segment, Step, uniform
 
 __all__ = ["checkpoint_sequential", "measure_layer_costs"]

@@ -16,9 +16,10 @@ import torch.nn as nn
 from torch.nn.modules import module as module_hooks
 
 from ckptlib import rng
-from ckptlib.checkpoint import _thread_state, is_recomputing
+from ckptlib import is_recomputing
+from ckptlib.core.peek import peeking
 from ckptlib.memory import _ORIGINAL_STORAGE_RESIZE
-from ckptlib.trace import tracing_active
+from ckptlib.core.trace import tracing_active
 
 
 class Misuse(NamedTuple):
@@ -42,7 +43,7 @@ def installed() -> dict[str, Any]:
         "ckptlib traces": tracing_active(),
         "registered generator uses": len(rng._users),
         "recomputing": is_recomputing(),
-        "peeking at saved tensors": _thread_state.peek is not None,
+        "peeking at saved tensors": peeking() is not None,
         "memory meters listening to storage resizes": torch.UntypedStorage.resize_ is not _ORIGINAL_STORAGE_RESIZE,
     }
 

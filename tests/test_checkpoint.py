@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckptlib
 from ckptlib import CheckpointError, checkpoint, record_trace
-from ckptlib.checkpoint import RecomputeAgain, is_recomputing, peek_saved
+from ckptlib import RecomputeAgain, is_recomputing, peek_saved
 
 
 # ---------------------------------------------------------------------------
@@ -707,7 +707,7 @@ def test_unpack_outside_backward_recomputes_for_that_read_only():
 
 
 def test_fallback_input_saver_for_older_torch(monkeypatch):
-    monkeypatch.setattr(sys.modules["ckptlib.checkpoint"], "_make_saved_tensor", None)
+    monkeypatch.setattr(sys.modules["ckptlib.core.checkpoint"], "_make_saved_tensor", None)
     torch.manual_seed(0)
     model = mlp()
     x = torch.randn(4, 8, requires_grad=True)
@@ -815,7 +815,7 @@ def test_an_on_event_that_raises_ends_the_checkpointed_call_and_closes_the_trace
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="viewer broke"), record_trace(on_event=on_event):
         checkpoint(torch.sin, x)
-    assert not saved_hooks_installed() and not ckptlib.trace._active_traces
+    assert not saved_hooks_installed() and not ckptlib.core.trace._active_traces
 
 
 def test_trace_tells_which_dropped_tensors_free_memory():

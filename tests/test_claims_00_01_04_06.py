@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import ckptlib
 import ckptlib.widgets
 from ckptlib import CheckpointError, MLPChain, StateUpdatedTwiceWarning, TinyTransformer, measure, palette
-from ckptlib.checkpoint import is_recomputing, record_trace
+from ckptlib import is_recomputing, record_trace
 from ckptlib.graph import autograd_graph, to_dot, torchviz_dot, trace_modules
 from ckptlib.memory import MemoryMeter
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 
 from ckptlib import checkpoint, record_trace
-from ckptlib.checkpoint import CheckpointError, NotReplayedRandomWarning
+from ckptlib import CheckpointError, NotReplayedRandomWarning
 from ckptlib.selective import selective_checkpoint
 from tests._misuse import assert_nothing_installed
 

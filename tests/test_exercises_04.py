@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptlib.checkpoint import is_recomputing
+from ckptlib import is_recomputing
 from tests._notebooks import cell_source, run_cell
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"

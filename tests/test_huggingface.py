@@ -173,7 +173,7 @@ def test_every_snippet_of_the_hugging_face_page_runs_and_checkpoints_with_ckptli
     for number, block in enumerate(blocks):
         with record_trace() as trace:
             exec(compile(block, f"docs/huggingface.md block {number}", "exec"), namespace)
-        regions.append({event.region.split("@")[0] for event in trace.events})
+        regions.append({event.region.name for event in trace.events})
     model = namespace["hf_model"]
     assert regions[1] == {f"transformer.h.{i}" for i in range(4)}      # apply_checkpointing
     assert regions[2] == {"transformer.h.0", "transformer.h.2"}        # every_n=2, as a context manager

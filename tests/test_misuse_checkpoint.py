@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from ckptlib import rng
-from ckptlib.checkpoint import TensorMeta, checkpoint, record_trace
+from ckptlib.core.keys import TensorMeta
+from ckptlib import checkpoint, record_trace
 from ckptlib.offload import offload_saved_tensors
 from ckptlib.sequential import checkpoint_sequential, measure_layer_costs
 from tests._misuse import assert_nothing_installed

@@ -258,7 +258,7 @@ def test_a_value_read_into_python_is_named_with_the_fix():
 
 
 def test_an_extra_op_on_real_tensors_is_named_as_a_branch_not_a_skipped_value():
-    from ckptlib.checkpoint import is_recomputing
+    from ckptlib import is_recomputing
 
     def branches(t):
         if is_recomputing():

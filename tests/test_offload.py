@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import ckptlib.offload as offload
-from ckptlib.checkpoint import checkpoint
+from ckptlib import checkpoint
 from ckptlib.models import TransformerBlock
 from ckptlib.offload import offload_saved_tensors
 

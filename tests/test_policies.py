@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from ckptlib.checkpoint import CheckpointError, checkpoint, is_recomputing
+from ckptlib import CheckpointError, checkpoint, is_recomputing
 from ckptlib.memory import MemoryMeter
 from ckptlib.models import TransformerBlock
 from ckptlib.selective import (

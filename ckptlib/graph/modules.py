@@ -18,7 +18,7 @@ from typing import Any, ContextManager, Iterator
 import torch
 from torch import nn
 
-from ckptlib.checkpoint import is_recomputing
+from ckptlib.core.checkpoint import is_recomputing
 
 __all__ = ["ModuleTrace", "trace_modules"]
 

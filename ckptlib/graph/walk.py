@@ -17,7 +17,7 @@ Saved tensors. Every tensor a node keeps for backward appears as a pair of
 attributes: ``node._raw_saved_<name>`` (autograd's ``SavedTensor`` box) and
 ``node._saved_<name>`` (the tensor, unpacked). Reading ``_saved_<name>`` calls
 the unpack hook of whatever ``saved_tensors_hooks`` packed it, so it is read
-inside :func:`ckptlib.checkpoint.peek_saved`: a tensor a ckptlib checkpoint
+inside :func:`ckptlib.peek_saved`: a tensor a ckptlib checkpoint
 dropped then comes back as an empty ``meta`` tensor with its ``PackedInfo``
 (region, unpack count), and nothing is recomputed. ``torch.utils.checkpoint``
 has no such switch: reading would rerun its function. Its tensors are
@@ -51,7 +51,7 @@ from typing import Any, Iterator, Mapping, NamedTuple, Sequence, Union
 import torch
 from torch import nn
 
-from ckptlib.checkpoint import peek_saved
+from ckptlib.core.peek import peek_saved
 from ckptlib.graph.modules import ModuleTrace
 from ckptlib.graph.nodes import AutogradGraph, GraphNode, SavedTensor
 

@@ -82,7 +82,7 @@ from typing import Any, Callable
 import torch
 from torch._ops import OpOverload
 
-from ckptlib.checkpoint import CheckpointError
+from ckptlib.core.errors import CheckpointError
 from ckptlib.selective.opgraph import _OpGraph, _Skip
 from ckptlib.selective.ops import _PLAIN, _RANDOM_IN_PLACE, _map_tensors, _shapes, _storages, _tensors, _versions
 

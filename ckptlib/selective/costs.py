@@ -39,7 +39,7 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptlib._arguments import integer, number
-from ckptlib.guards import storage_ptr
+from ckptlib.storage import storage_ptr
 from ckptlib.selective.cache import _save
 from ckptlib.selective.modes import SaveChosenOps
 from ckptlib.selective.opgraph import _OpGraph

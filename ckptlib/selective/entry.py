@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
-from ckptlib.checkpoint import checkpoint
+from ckptlib.core.checkpoint import checkpoint
 from ckptlib._arguments import flags
 from ckptlib.selective.modes import Policy, _as_predicate, selective_contexts
 from ckptlib.selective.ops import _tensors

@@ -33,7 +33,7 @@ import torch
 from torch._ops import OpOverload, OpOverloadPacket
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ckptlib.checkpoint import CheckpointError, RecomputeAgain
+from ckptlib.core.errors import CheckpointError, RecomputeAgain
 from ckptlib._arguments import flags, got, qualname
 from ckptlib.selective.cache import _OpCache, _raise_shape_mismatch, _save
 from ckptlib.selective.opgraph import _from_template, _OpGraph, _Skip
@@ -203,7 +203,7 @@ class ReplaySavedOps(TorchDispatchMode):
     If a skipped result turns out to be needed after all (the function read a skipped
     tensor's ``.device`` in Python to make a new one, so the op graph saw no dependency), an op
     that runs meets a meta tensor and fails, or a random op draws nothing on one: the mode
-    switches skipping off and raises :class:`~ckptlib.checkpoint.RecomputeAgain`, and the
+    switches skipping off and raises :class:`~ckptlib.RecomputeAgain`, and the
     checkpoint runs the function once more. Correct, at the price of a second rerun.
     """
 

@@ -40,7 +40,7 @@ from typing import Any, Collection, NamedTuple
 import torch
 from torch._ops import OpOverload
 
-from ckptlib.guards import storage_ptr
+from ckptlib.storage import storage_ptr
 from ckptlib.selective.ops import (
     _MUTATING, _RANDOM, _RANDOM_IN_PLACE, _input_tensors, _tensors, _written_arguments,
 )

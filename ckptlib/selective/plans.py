@@ -43,12 +43,12 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 from torch._ops import OpOverload
 
-from ckptlib.checkpoint import is_recomputing
+from ckptlib.core.checkpoint import is_recomputing
 from ckptlib._arguments import qualname
 from ckptlib.selective.cache import _OpCache, _Saved
 from ckptlib.selective.modes import Policy, ReplaySavedOps, selective_contexts
 from ckptlib.selective.opgraph import _OpGraph, _Skip
-from ckptlib.guards import input_ptrs
+from ckptlib.storage import storage_ptrs as input_ptrs
 from ckptlib.selective.ops import _input_tensors
 from ckptlib.selective.signatures import _fingerprint, _next_node_number, _signature, _underlying
 

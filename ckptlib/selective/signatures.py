@@ -36,8 +36,9 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from ckptlib.checkpoint import _autocast_state
-from ckptlib.guards import INPUT, saved_key, storage_ptr
+from ckptlib.core.checkpoint import _autocast_state
+from ckptlib.core.keys import INPUT, saved_key
+from ckptlib.storage import storage_ptr
 
 if TYPE_CHECKING:
     from ckptlib.selective.modes import Policy
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 def _fingerprint(tensor: torch.Tensor, input_storages: Collection[int], first_node: int) -> tuple:
     """What a reused plan checks of each saved tensor: the key a checkpoint's rerun checks
-    (:func:`ckptlib.guards.saved_key`: shape, dtype, device and the kind of autograd node that
+    (:func:`ckptlib.core.keys.saved_key`: shape, dtype, device and the kind of autograd node that
     made it, a view's base's, or "an input"), and the place of that node among the nodes the
     call created (``first_node``: the sequence number of the first)."""
     key = saved_key(tensor, storage_ptr(tensor), input_storages)

@@ -12,7 +12,7 @@ or keeps a tensor:
 
 * the live-tensor meter (:class:`ckptlib.memory.MemoryMeter`, counting storages): after
   every aten op, the op, its phase and the bytes alive;
-* :func:`ckptlib.checkpoint.record_trace`: what each checkpoint does (pack,
+* :func:`ckptlib.record_trace`: what each checkpoint does (pack,
   forward_done, recompute, early_stop, unpack, release), handed to ``on_event`` as it
   happens, so each event is stamped with the ops run so far and the bytes alive then;
 * a ``saved_tensors_hooks`` pair, the outermost one, for what autograd saves outside
@@ -55,7 +55,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ckptlib.checkpoint import TraceEvent, is_recomputing, peek_saved, record_trace
+from ckptlib.core.trace import TraceEvent, record_trace
+from ckptlib.core.checkpoint import is_recomputing
+from ckptlib.core.peek import peek_saved
 from ckptlib.graph import AutogradGraph, autograd_graph, trace_modules
 from ckptlib.graph.walk import _walk as walk_nodes
 from ckptlib.memory import MemoryMeter, TimelineEntry, format_bytes

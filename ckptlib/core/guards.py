@@ -1,13 +1,26 @@
-"""How a checkpoint's rerun can go wrong beyond what its saved-tensor keys show, and what it does about it.
+"""The guards: the observer that refuses a rerun which would give other gradients than the forward.
 
 Design notes
 ============
 
-``ckptlib.guards`` compares what is cheap to keep: each saved tensor's key, the versions of what
-the region reads from outside. A rerun can still differ from its forward in ways those miss. Each
-case below is either made right or refused with its cause, where ``torch.utils.checkpoint`` is
-silent or names another cause. ``ckptlib.checkpoint`` calls these; this module holds the
-checks and their messages.
+A rerun gives the right gradients only if it computes the values the forward computed. Those
+values were dropped (that is the point), so they cannot be compared. What is cheap to keep is
+compared instead, and every check errs towards a loud ``CheckpointError`` rather than a silently
+wrong gradient. The core (``ckptlib/core/checkpoint.py``) compares each saved tensor's key
+(``keys.py``); :class:`Guards` is the observer it calls at its named points for the rest:
+
+* ``on_pack``: a saved leaf (a parameter, ``weight.t()``) is noted with its version and identity,
+  and whether dropping the tensor frees memory at all;
+* ``after_forward``: what the forward wrote (BatchNorm's statistics) is told from what it read,
+  and an input the function changed itself is noted;
+* ``before_rerun``: the versions of what the rerun certainly reads (``reads.py``);
+  ``around_rerun``: the rest it may read, and state it writes twice;
+* ``on_fill``: the rerun saved the same parameter; a recomputed tensor's version;
+* ``on_unpack``: that version again, as autograd would check it.
+
+A rerun can differ from its forward in ways keys and versions miss. Each case below is either
+made right or refused with its cause, where ``torch.utils.checkpoint`` is silent or names another
+cause.
 
 In-place changes inside the region. Saved-tensor hooks switch off autograd's own version check
 (a saved tensor's version at its save against its version at its use), and a recomputed tensor
@@ -50,21 +63,109 @@ from typing import Any, ContextManager
 import torch
 import torch.autograd.forward_ad as forward_ad
 
-from ckptlib import guards
-from ckptlib.trace import TensorMeta
+from ckptlib.core.errors import CheckpointError
+from ckptlib.core.keys import CONSTANT, MISMATCH_CAUSES, TensorMeta
+from ckptlib.core.reads import OutsideReads
+from ckptlib.storage import storage_ptr, storage_ptrs
 
-__all__ = ["modified_in_place", "input_modified_by_fn", "replaced_parameter", "may_be_filled_later", "rerun_input",
-           "transform_levels", "lost_transform", "outside_inference_mode"]
+__all__ = ["Guards", "modified_in_place", "input_modified_by_fn", "replaced_parameter",
+           "may_be_filled_later", "rerun_input", "transform_levels", "lost_transform",
+           "outside_inference_mode"]
 
 
-def producer(key: tuple) -> Any:
-    """The producer in a saved tensor's key (``guards.saved_key``); ``None`` in a key without one."""
+def _leaf_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The leaf a saved tensor is, or is a view of (a parameter, ``weight.t()``); None otherwise."""
+    if tensor.is_leaf:
+        return tensor
+    base = tensor._base
+    return base if base is not None and base.is_leaf else None
+
+
+class Guards:
+    """The checks of one checkpoint call beyond its keys (see the notes above); an observer."""
+
+    def __init__(self, fn: Any, inputs: list[torch.Tensor]) -> None:
+        self.reads = OutsideReads(fn, inputs)
+        self.input_ptrs = storage_ptrs(inputs)     # saved tensors sharing these free nothing
+        self.transforms = transform_levels()       # forward-mode AD and torch.func levels
+        self.inputs_modified_by_fn: str | None = None
+        # index -> (id, storage) of a saved leaf that requires grad (a parameter or an input). The
+        # rerun must save the same tensor or the same storage: FSDP2 gathers a parameter anew (same
+        # tensor, new storage); the rerun's inputs are detached (new tensor, same storage).
+        self.leaf_ids: dict[int, tuple[int, int | None]] = {}
+        self.versions: dict[tuple[int, int], int] = {}   # (task, index) -> a recomputed tensor's version
+
+    def on_pack(self, frame: Any, holder: Any, tensor: torch.Tensor, ptr: int | None) -> None:
+        leaf = _leaf_of(tensor)
+        if leaf is None:
+            holder.frees_memory = not (ptr and ptr in self.input_ptrs)
+            return
+        self.reads.add_saved_leaf(leaf)   # its version is checked before a rerun
+        if leaf.requires_grad:            # the rerun must save this very parameter
+            self.leaf_ids[holder.index] = (id(leaf), ptr)
+        # Dropping it frees nothing if it lives on outside the region: an input's storage, a leaf
+        # that requires grad, a buffer or captured tensor fn reaches. A leaf *without* grad may be
+        # made inside (dropout's mask): that one frees memory.
+        holder.frees_memory = not ((ptr and ptr in self.input_ptrs) or leaf.requires_grad
+                                   or (ptr and self.reads.holds_storage(ptr)))
+
+    def after_forward(self, frame: Any, output: Any) -> None:
+        self.inputs_modified_by_fn = input_modified_by_fn(self.reads.inputs)
+        self.reads.after_forward()
+
+    def before_rerun(self, frame: Any) -> None:
+        message = self.inputs_modified_by_fn or self.reads.changed()
+        if message is not None:
+            raise CheckpointError(f"checkpoint {frame.region}: {message}")
+
+    def around_rerun(self, frame: Any) -> ContextManager:
+        return self.reads.around_rerun(frame.region)
+
+    def on_fill(self, frame: Any, task: int, index: int, tensor: torch.Tensor, detached: torch.Tensor,
+                holder: Any) -> None:
+        forward_leaf = self.leaf_ids.get(index)
+        if forward_leaf is not None and frame.check_keys and forward_leaf[1] != storage_ptr(tensor) \
+                and forward_leaf[0] != id(_leaf_of(tensor)):
+            raise CheckpointError(f"checkpoint {frame.region}: "
+                                  f"{replaced_parameter(index, frame.meta(index))}")
+        # Not for what lives on outside the region (an input, a parameter, a buffer): a recompute
+        # context may put a buffer back after the rerun.
+        if holder is not None and holder.frees_memory:
+            self.versions[task, index] = detached._version
+
+    def on_unpack(self, frame: Any, task: int, holder: Any, tensor: torch.Tensor) -> None:
+        """Refuse a recomputed tensor an in-place op of the rerun changed after its save.
+
+        Saved-tensor hooks switch off autograd's own check (a saved tensor's version at its save
+        against its version at its use), and a recomputed tensor is a detached alias of the rerun's
+        tensor: ``h = a.exp(); h.mul_(3)`` changes it after ``exp`` saved it.
+        """
+        version = self.versions.pop((task, holder.index), None)
+        if version is not None and tensor._version != version:
+            frame.release(task)
+            raise CheckpointError(f"checkpoint {frame.region}: " + modified_in_place(
+                holder.index, frame.keys[holder.index], version, tensor._version, frame.node_name()))
+
+    def on_release(self, frame: Any, task: int, released: int) -> None:
+        if self.versions:
+            self.versions = {key: v for key, v in self.versions.items() if key[0] != task}
+
+    def mismatch_causes(self) -> str:
+        """The likely causes of a rerun that saved other tensors, for the core's messages."""
+        return lost_transform(self.transforms) or MISMATCH_CAUSES
+
+    def lost_transform(self) -> str | None:
+        return lost_transform(self.transforms)
+
+
+def _producer(key: tuple) -> Any:
+    """The producer in a saved tensor's key; ``None`` in a key without one."""
     return key[3] if len(key) > 3 else None
 
 
 def modified_in_place(index: int, key: tuple, version: int, now: int, node: str | None) -> str:
     """Why saved tensor ``index``, recomputed at ``version`` and now at ``now``, is refused."""
-    made_by = producer(key)
+    made_by = _producer(key)
     made_by = made_by[1] if isinstance(made_by, tuple) else made_by   # a view's: its base's
     made = f" made by {made_by.__name__}" if isinstance(made_by, type) else ""
     return (f"saved tensor #{index} ({TensorMeta.from_key(key)}){made} was modified by an in-place operation "
@@ -105,7 +206,7 @@ def replaced_parameter(index: int, meta: TensorMeta) -> str:
 
 def may_be_filled_later(keys: list[tuple], index: int) -> bool:
     """Could the op that saved tensor ``index`` still write into a tensor it saved (see the notes)?"""
-    return producer(keys[index]) is guards.CONSTANT or (index > 0 and producer(keys[index - 1]) is guards.CONSTANT)
+    return _producer(keys[index]) is CONSTANT or (index > 0 and _producer(keys[index - 1]) is CONSTANT)
 
 
 def rerun_input(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,28 +1,7 @@
-"""What a checkpoint's rerun must reproduce, and the checks that refuse a rerun that would not.
+"""What a checkpointed region reads from outside, and the checks on it before and during a rerun.
 
 Design notes
 ============
-
-A rerun gives the right gradients only if it computes the values the forward
-computed. Those values were dropped (that is the point), so they cannot be
-compared. What is cheap to keep is compared instead, and every check errs
-towards a loud ``CheckpointError`` rather than a silently wrong gradient.
-``ckptlib.checkpoint`` calls these checks; this module says what they compare
-and why, and builds the messages.
-
-Each saved tensor's key. The rerun hands its i-th saved tensor to the i-th
-holder, so it must be the tensor the forward saved i-th. Each pack of the rerun
-compares its key with the forward's: shape, dtype, device, and its *producer*,
-the kind of autograd node that made it (``ExpBackward0``), or "an input of the
-region" (it shares storage with one), or a leaf that requires grad (a parameter)
-or not (a constant). Equal shapes are not enough: a global flag that turns
-``t.exp()`` into ``t.sin()`` saves a tensor of the same shape, but ``exp`` saves
-its *result* and ``sin`` its *input*, so ``ExpBackward0`` would be handed ``t``
-instead of ``exp(t)``. The producer costs one attribute read per pack
-(``benchmarks/guard_cost.py`` measures it). It cannot see an op swapped for
-another that saves the same tensor (``t.sin()`` for ``t.cos()``: both save
-``t``, so the handed value is right anyway) nor different numbers made by the
-same kind of node (``t * 2`` against ``t * 3``).
 
 Versions of what the region reads from outside. Autograd checks at every
 unpack that a saved tensor was not modified in place since it was saved
@@ -91,111 +70,26 @@ warned about; BatchNorm in eval mode or without running statistics writes nothin
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import types
 import warnings
 import weakref
-from typing import Any, Callable, Collection
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ckptlib.trace import TensorMeta
+from ckptlib.core.errors import CheckpointError, caller_stacklevel
+from ckptlib.core.keys import TensorMeta
+from ckptlib.core.region import function_name
 from ckptlib.storage import storage_ptr
 
-__all__ = ["StateUpdatedTwiceWarning", "OutsideReads", "saved_key", "key_mismatch", "storage_ptr", "input_ptrs",
-           "MISMATCH_CAUSES"]
-
-MISMATCH_CAUSES = (
-    "Usual causes: non-deterministic control flow in the checkpointed function (branches on "
-    "random numbers, time or a global flag), data-dependent shapes (e.g. torch.nonzero on values "
-    "that changed), global state that changed between forward and backward (a module attribute, "
-    "train/eval mode), or an input modified in place after the forward pass. Make the function "
-    "depend only on its inputs, or keep its activations by not checkpointing it."
-)
-
-INPUT = "an input of the region"
-PARAMETER = "a parameter (a leaf that requires grad)"
-CONSTANT = "a constant (a leaf that does not require grad)"
-VIEW = "view"
+__all__ = ["OutsideReads", "StateUpdatedTwiceWarning"]
 
 
 class StateUpdatedTwiceWarning(UserWarning):
     """A checkpoint's rerun updated module state (BatchNorm running statistics) its forward had updated."""
-
-
-# ---------------------------------------------------------------------------
-# Saved tensors: the key compared at every pack of a rerun
-# ---------------------------------------------------------------------------
-
-
-def saved_key(tensor: torch.Tensor, ptr: int | None, input_ptrs: Collection[int]) -> tuple:
-    """(shape, dtype, device, producer) of a saved tensor; ``ptr`` is its :func:`storage_ptr`.
-
-    A view's producer is its base's, marked as a view: which node makes a view depends on
-    the dispatch path (``reshape`` is a ``ReshapeAliasBackward0`` normally, a
-    ``ViewBackward0`` under a dispatch mode such as selective checkpointing's rerun).
-    Selective checkpointing's plans extend this key with the node's place (``_fingerprint``).
-    """
-    if ptr and ptr in input_ptrs:
-        return (tensor.shape, tensor.dtype, tensor.device, INPUT)
-    base = tensor._base
-    source = tensor if base is None else base
-    node = source.grad_fn
-    producer: Any = type(node) if node is not None else PARAMETER if source.requires_grad else CONSTANT
-    return (tensor.shape, tensor.dtype, tensor.device, producer if base is None else (VIEW, producer))
-
-
-def input_ptrs(tensors: list[torch.Tensor]) -> set[int]:
-    """Storage pointers of a region's inputs (empty storages, all at 0, left out)."""
-    return {ptr for ptr in map(storage_ptr, tensors) if ptr}
-
-
-def _producer(key: tuple) -> str:
-    """How a key's tensor was made, in words that follow "a tensor" or "one"."""
-    producer = key[3]
-    is_view = isinstance(producer, tuple)
-    producer = producer[1] if is_view else producer
-    if isinstance(producer, str):
-        return f"that is a view of {producer}" if is_view else f"that is {producer}"
-    made = f"made by {producer.__name__}"
-    return f"that is a view of a tensor {made}" if is_view else made
-
-
-def key_mismatch(index: int, forward: tuple, rerun: tuple) -> str:
-    """Why the rerun's saved tensor ``#index`` is not the forward's, for a ``CheckpointError``."""
-    before, after = TensorMeta.from_key(forward), TensorMeta.from_key(rerun)
-    if before != after:
-        what = f"forward saved {before}, recomputation produced {after}"
-    else:
-        what = (f"forward saved {before} {_producer(forward)}; recomputation produced one "
-                f"{_producer(rerun)} (same shape, another operation)")
-    return f"saved tensor #{index} differs between forward and recomputation: {what}. {MISMATCH_CAUSES}"
-
-
-# ---------------------------------------------------------------------------
-# Tensors read from outside: what fn can reach, and their versions
-# ---------------------------------------------------------------------------
-
-
-def function_name(fn: Any, through_partials: bool = False) -> str:
-    """How a region and its messages name ``fn``: ``Block.forward``, ``sin``, else its type's name;
-    with ``through_partials``, a ``functools.partial`` by what it calls (Hugging Face passes them).
-
-    Never raises: a user's callable may answer every attribute (a proxy) or raise from a property.
-    """
-    while through_partials and type(fn) is functools.partial:
-        fn = fn.func
-    try:
-        name = getattr(fn, "__qualname__", None)
-        if isinstance(name, str) and name.startswith("_VariableFunctions"):  # torch.sin and friends: "sin"
-            name = getattr(fn, "__name__", None)
-    except Exception:
-        name = None
-    return name if isinstance(name, str) and name else type(fn).__name__
 
 
 def _roots(fn: Callable[..., Any], through_globals: bool = False) -> list[tuple[str, Any]]:
@@ -442,14 +336,8 @@ class _StaleReads(TorchDispatchMode):
                     hit = self.by_id.get(id(arg)) or self.by_storage.get(storage_ptr(arg))
                     if hit is not None:
                         self.message = f"checkpoint {self.region}: {self.reads.modified_message(*hit)}"
-                        raise _checkpoint_error(self.message)
+                        raise CheckpointError(self.message)
         return func(*args, **(kwargs or {}))
-
-
-def _checkpoint_error(message: str) -> Exception:
-    from ckptlib.checkpoint import CheckpointError   # checkpoint imports this module: imported when raised
-
-    return CheckpointError(message)
 
 
 class _StateWatch:
@@ -474,7 +362,7 @@ class _StateWatch:
         if self.watch is not None and self.watch.message is not None:
             # Raised from inside an op (a TorchScript interpreter wraps it): raise it as itself.
             if not (isinstance(exc, RuntimeError) and str(exc) == self.watch.message):
-                raise _checkpoint_error(self.watch.message) from exc
+                raise CheckpointError(self.watch.message) from exc
             return
         for tensor, before in zip(self.reads.written, self.before):
             if torch.equal(tensor, before):
@@ -491,15 +379,4 @@ class _StateWatch:
                 "instead of it, put it in eval mode, or put its state back during the recomputation "
                 "(a context_fn that restores the buffers, or a forward pre-hook that sets momentum to 0 "
                 "while ckptlib.checkpoint.is_recomputing(), as in notebook 04). Warned once per module.",
-                StateUpdatedTwiceWarning, stacklevel=_caller_stacklevel())
-
-
-_LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
-
-
-def _caller_stacklevel() -> int:
-    """The stacklevel of the first frame outside torch and ckptlib: the user's ``backward()`` line."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level
+                StateUpdatedTwiceWarning, stacklevel=caller_stacklevel())

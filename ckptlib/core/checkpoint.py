@@ -1,0 +1,524 @@
+"""The checkpoint itself: notebook 03's one-cell checkpoint, grown into the library's.
+
+Autograd keeps, for every op of the forward pass, the tensors its backward formula needs
+("saved tensors"). ``torch.autograd.graph.saved_tensors_hooks`` lets us intercept that: a
+*pack* hook is called with each tensor as autograd saves it and returns whatever should be
+stored instead; an *unpack* hook is called when backward needs the tensor and must give it back.
+This file reads in the order of notebook 03:
+
+1. ``pack`` stores a small empty :class:`Holder` instead of the tensor and remembers the
+   tensor's key (shape, dtype, device, which node made it: ``keys.py``). No activation made
+   inside ``fn`` outlives the forward pass (unless ``fn`` returns it).
+2. The first ``unpack`` of a backward pass finds its holder empty and calls ``recompute``: it
+   runs ``fn`` again from the kept inputs under a second pack hook, ``fill``, that puts the
+   i-th saved tensor of the rerun into the i-th holder, its key compared with the forward's.
+3. The rerun replays the random numbers (``ckptlib/rng.py``) and the autocast state of the
+   forward, so dropout draws the same mask.
+4. Early stop: ``fill`` raises :class:`StopRecomputation` as soon as the last holder backward
+   can still ask for is filled; ops after it would only make tensors nobody needs.
+5. One use, then gone: an unpack hands its tensor over and forgets it. What a backward did
+   not use (``torch.autograd.grad`` on a subset) is dropped by ``release``, queued on the
+   autograd engine for that backward (run when it ends, or when a failed one drops it).
+
+Holders keep recomputed tensors per backward pass (*graph task*), so ``retain_graph=True``
+then a second backward recomputes once more. The inputs are kept as autograd saved tensors
+(``save_inputs``): inside an outer checkpoint they pass through its pack hook and are dropped
+too (nesting, also with ``torch.utils.checkpoint`` on either side).
+
+Observers. At named points the frame calls its observers' methods: ``on_pack``,
+``after_forward``, ``before_rerun``, ``on_recompute``, ``on_fill``, ``on_early_stop``,
+``on_unpack``, ``on_release``, and enters their ``around_forward()`` / ``around_rerun()``.
+They never change what is computed. :class:`~ckptlib.core.guards.Guards` is always there (what a
+rerun must reproduce beyond the keys: versions of what it reads, replaced parameters, in-place
+changes); :class:`~ckptlib.core.trace.Tracer` while a trace is recorded; selective
+checkpointing's forward context when it has ``observe_saved_tensors()``. Inspection
+(``peek.py``) answers unpacks without recomputing; ``compile.py`` makes ``checkpoint`` run
+eagerly under ``torch.compile``.
+
+Extension points (selective checkpointing uses them). ``context_fn`` gives a forward and a
+recompute context, as in ``torch.utils.checkpoint``. The recompute context may raise
+:class:`RecomputeAgain` to have the function run once more from the start; a recomputed saved
+tensor on the *meta* device asks the context's ``recompute_again()`` whether to do the same.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ckptlib import rng
+from ckptlib._arguments import check_checkpoint_arguments, checkpoint_contexts, torch_early_stop
+from ckptlib.core import compile as compile_, guards, peek, trace
+from ckptlib.core.errors import CheckpointError, RecomputeAgain, caller_stacklevel
+from ckptlib.core.keys import TensorMeta, key_mismatch, saved_key
+from ckptlib.core.region import RegionId, function_name
+from ckptlib.storage import storage_ptr, storage_ptrs
+
+__all__ = ["checkpoint", "is_recomputing", "Holder", "Frame", "StopRecomputation", "CheckpointError",
+           "RecomputeAgain"]
+
+_region_numbers = itertools.count()
+_outside_backward_tasks = itertools.count(start=1)
+_NOTHING = contextlib.nullcontext()       # stateless: one for every call
+_NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
+_make_saved_tensor = getattr(torch._C._autograd, "_make_saved_tensor", None)   # None on older torch
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+_USED = object()   # a holder's entry once its tensor was handed to backward
+
+
+class Holder:
+    """What autograd stores instead of a saved tensor (step 1)."""
+
+    __slots__ = ("index", "recomputed", "unpack_count", "frees_memory", "__weakref__")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.recomputed: dict[int, Any] = {}   # backward pass (graph task id) -> its recomputed tensor
+        self.unpack_count = 0
+        self.frees_memory = True   # set by the guards: False for inputs, parameters, views of them
+
+
+class StopRecomputation(Exception):
+    """Raised from ``fill`` once the last needed tensor is back (step 4)."""
+
+
+class _ThreadState(threading.local):
+    recompute_depth = 0
+
+
+_thread = _ThreadState()
+
+
+def is_recomputing() -> bool:
+    """True while a ckptlib checkpoint is re-running its function in this thread."""
+    return _thread.recompute_depth > 0
+
+
+class Frame:
+    """Everything one ``checkpoint`` call needs to rerun its function later."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, preserve_rng_state: bool,
+                 early_stop: bool, contexts: tuple[ContextManager, ContextManager], debug: bool,
+                 check_keys: bool) -> None:
+        self.fn, self.number = fn, next(_region_numbers)
+        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+            leaves, self.spec = tree_flatten((args, kwargs), is_leaf=_is_size)
+        else:   # the common case, tensors only: no pytree
+            leaves, self.spec = list(args), None
+        self.positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        inputs = [leaves[i] for i in self.positions]
+        self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.saved_inputs: Callable[[], list[torch.Tensor]] | None = save_inputs(inputs)
+        self.input_ptrs = storage_ptrs(inputs)
+        self.rng = rng.capture(inputs, rng.generators_reachable(
+            fn, self.leaves if self.spec is not None else ())) if preserve_rng_state else None
+        self.rng_after: rng.RNGState | None = None
+        self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
+        self.autocast = _autocast_state()
+        self.early_stop, self.check_keys = early_stop, check_keys
+        self.forward_context, self.recompute_context = contexts   # context_fn was called once
+        self.holders: list[weakref.ReferenceType[Holder]] = []
+        self.keys: list[tuple] = []   # the key of each saved tensor, in pack order
+        self.recomputed_in: set[int] = set()
+        self.recompute_count = 0
+        self.guards = guards.Guards(fn, inputs)
+        self.observers: list[Any] = [self.guards]
+        observe = getattr(self.forward_context, "observe_saved_tensors", None)   # extension point
+        callback = observe() if observe is not None else None
+        if callback is not None:
+            self.observers.append(_SavedTensorsCallback(callback))
+        if debug or trace.tracing_active():
+            self.observers.append(trace.Tracer(echo=debug))
+        self._hooks()
+
+    def _hooks(self) -> None:
+        """Each named point's list of observer methods (only those an observer has)."""
+        for point in ("on_pack", "after_forward", "before_rerun", "on_recompute", "on_fill",
+                      "on_early_stop", "on_unpack", "on_release", "around_rerun", "around_forward"):
+            setattr(self, point, [getattr(o, point) for o in self.observers if hasattr(o, point)])
+
+    @property
+    def region(self) -> RegionId:
+        """This call's name in messages and traces, e.g. ``Block.forward@3``."""
+        return RegionId(function_name(self.fn, through_partials=True), self.number)
+
+    def meta(self, index: int) -> TensorMeta:
+        return TensorMeta.from_key(self.keys[index])
+
+    def node_name(self) -> str | None:
+        """The backward node running now (who unpacks), or ``None``."""
+        node = torch._C._current_autograd_node()
+        return node.name() if node is not None else None
+
+    # -- forward (step 1) ---------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> Holder:
+        holder = Holder(len(self.holders))
+        self.holders.append(weakref.ref(holder))
+        ptr = storage_ptr(tensor)
+        self.keys.append(saved_key(tensor, ptr, self.input_ptrs))
+        for hook in self.on_pack:
+            hook(self, holder, tensor, ptr)
+        return holder
+
+    def forward_done(self, output: Any, rng_use: rng.in_use | None) -> None:
+        if rng_use is not None:
+            self.rng_after = rng.capture_devices(self.rng.cuda_devices)
+            self.rng_overlap = rng_use.overlapped
+        if not self.keys:   # nothing saved, so nothing will be recomputed: let the inputs go
+            self.saved_inputs = None
+        for hook in self.after_forward:
+            hook(self, output)
+
+    # -- backward (steps 2 and 5) ---------------------------------------------------------
+    def unpack(self, holder: Holder) -> torch.Tensor:
+        peeking = peek.peeking()
+        if peeking is not None:
+            return peeking.answer(self, holder)
+        task = torch._C._current_graph_task_id()
+        if task == -1:   # grad_fn._saved_* read by hand: recompute for this read, keep nothing
+            task = -next(_outside_backward_tasks)
+            try:
+                self.recompute(task, holder.index)
+                return self._hand_over(holder, task)
+            finally:
+                self.release(task)
+        if task not in self.recomputed_in:
+            self.recompute(task, holder.index)
+        return self._hand_over(holder, task)
+
+    def _hand_over(self, holder: Holder, task: int) -> torch.Tensor:
+        tensor = holder.recomputed.get(task, _USED)
+        if tensor is _USED:
+            raise CheckpointError(
+                f"checkpoint {self.region}: saved tensor #{holder.index} ({self.meta(holder.index)}) was "
+                "unpacked twice in one backward pass. Each recomputed tensor is handed out once and then "
+                "released. If a custom autograd.Function reads ctx.saved_tensors more than once in "
+                "backward, read it once into a local variable.")
+        for hook in self.on_unpack:
+            hook(self, task, holder, tensor)
+        holder.recomputed[task] = _USED
+        holder.unpack_count += 1
+        return tensor
+
+    def recompute(self, task: int, trigger: int) -> None:
+        if trace.tracing_active() and not any(isinstance(o, trace.Tracer) for o in self.observers):
+            self.observers.append(trace.Tracer(echo=False))   # a trace opened after the forward
+            self._hooks()
+        for hook in self.before_rerun:
+            hook(self)
+        alive = [i for i, ref in enumerate(self.holders) if ref() is not None]
+        last_needed = alive[-1] if alive else -1
+        for hook in self.on_recompute:
+            hook(self, trigger, len(alive), False)
+        self.recomputed_in.add(task)
+        self.recompute_count += 1
+        if task >= 0:
+            torch.autograd.Variable._execution_engine.queue_callback(_ReleaseUnused(self, task))
+        try:
+            self.rerun(task, last_needed)
+        except RecomputeAgain:   # selective checkpointing: a skipped result was needed after all
+            for hook in self.on_recompute:
+                hook(self, trigger, len(alive), True)
+            try:
+                self.rerun(task, last_needed)
+            except RecomputeAgain:
+                self.release(task)
+                raise CheckpointError(f"checkpoint {self.region}: the recompute context asked for a second "
+                                      "recomputation, then for a third; giving up.") from None
+
+    def rerun(self, task: int, last_needed: int) -> None:
+        """Run ``fn`` again under ``fill``, the second pack hook (steps 2 to 4)."""
+        counter = itertools.count()
+        rerun_input_ptrs: set[int] = set()
+        stop_at_next_pack = False   # the last needed tensor is an op's buffer, filled after its save
+        stopped = False             # StopRecomputation was raised (it may come out wrapped)
+
+        def stop(index: int) -> None:
+            nonlocal stopped
+            if index + 1 < len(self.keys):
+                for hook in self.on_early_stop:
+                    hook(self, index)
+            stopped = True
+            raise StopRecomputation
+
+        def fill(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal stop_at_next_pack
+            if stop_at_next_pack:
+                stop(last_needed)
+            index = next(counter)
+            if not tensor.requires_grad:
+                detached = tensor
+            elif type(tensor) is torch.Tensor:   # a plain detach needs no dispatch mode (~15 us each)
+                with _NO_PYTHON_DISPATCH():
+                    detached = tensor.detach()
+            else:
+                detached = tensor.detach()
+            if index >= len(self.keys):
+                raise CheckpointError(
+                    f"checkpoint {self.region}: the recomputation saved more tensors than the forward pass "
+                    f"did (forward saved {len(self.keys)}; extra tensor #{index}: {TensorMeta.of(tensor)}). "
+                    f"{self.guards.mismatch_causes()}")
+            if self.check_keys:
+                key = saved_key(tensor, storage_ptr(tensor), rerun_input_ptrs)
+                if key != self.keys[index]:
+                    self._refuse(index, tensor, key)
+            holder = self.holders[index]()
+            if holder is not None:
+                holder.recomputed[task] = detached
+            for hook in self.on_fill:
+                hook(self, task, index, tensor, detached, holder)
+            if self.early_stop and index == last_needed:
+                if guards.may_be_filled_later(self.keys, index):
+                    stop_at_next_pack = True
+                else:
+                    stop(index)
+            return detached
+
+        rng_uses: list[rng.in_use] = []
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(fill, _identity), \
+                    _together([hook(self) for hook in self.around_rerun]):
+                self._run_again(rerun_input_ptrs, rng_uses)
+        except StopRecomputation:
+            pass
+        except RecomputeAgain:
+            raise   # the holders filled so far are filled again by the next run
+        except BaseException as error:
+            # Code between the hook and here may wrap the early stop in its own exception
+            # (TorchScript re-raises it as a RuntimeError): once stopped, every needed holder is filled.
+            if not stopped:
+                self.release(task)
+                lost = self.guards.lost_transform()
+                if lost is not None and not isinstance(error, CheckpointError):
+                    raise CheckpointError(f"checkpoint {self.region}: {lost}") from error
+                raise
+        shared = self.rng and rng.shared_with_another_thread(
+            self.rng, self.rng_after, self.rng_overlap.union(*(use.overlapped for use in rng_uses)))
+        saved = next(counter)
+        if shared or saved <= last_needed:
+            self.release(task)
+            raise CheckpointError(f"checkpoint {self.region}: " + (shared or (
+                f"the recomputation saved fewer tensors than the forward pass did (forward saved "
+                f"{len(self.keys)}, recomputation {saved}). {self.guards.mismatch_causes()}")))
+
+    def _run_again(self, rerun_input_ptrs: set[int], rng_uses: list) -> None:
+        inputs = [guards.rerun_input(t) if t.requires_grad else t for t in self.saved_inputs()]
+        rerun_input_ptrs.update(storage_ptrs(inputs))
+        leaves = list(self.leaves)
+        for position, tensor in zip(self.positions, inputs):
+            leaves[position] = tensor
+        args, kwargs = tree_unflatten(leaves, self.spec) if self.spec is not None else (leaves, {})
+        random = rng.replay(self.rng) if self.rng is not None else _NOTHING
+        casting = _autocast(self.autocast) if self.autocast != _autocast_state() else _NOTHING
+        _thread.recompute_depth += 1
+        try:
+            with random as use, torch.enable_grad(), guards.outside_inference_mode(), casting, \
+                    self.recompute_context:
+                if use is not None:
+                    rng_uses.append(use)
+                self.fn(*args, **kwargs)
+        finally:
+            _thread.recompute_depth -= 1
+
+    def _refuse(self, index: int, tensor: torch.Tensor, key: tuple) -> None:
+        """The rerun's ``index``-th saved tensor is not the forward's: ask again, or raise."""
+        again = getattr(self.recompute_context, "recompute_again", None)   # extension point
+        if tensor.device.type == "meta" and self.keys[index][2].type != "meta" and again is not None \
+                and again():
+            raise RecomputeAgain   # a result the context skipped was needed after all
+        raise CheckpointError(f"checkpoint {self.region}: " + (
+            self.guards.lost_transform() or key_mismatch(index, self.keys[index], key)))
+
+    def release(self, task: int) -> None:
+        """Drop the recomputed tensors of backward pass ``task`` that nobody took (step 5)."""
+        released = 0
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None and holder.recomputed.pop(task, _USED) is not _USED:
+                released += 1
+        self.recomputed_in.discard(task)
+        for hook in self.on_release:
+            hook(self, task, released)
+
+
+class _ReleaseUnused:
+    """Queued on the autograd engine for one backward: ``frame.release`` when it ends.
+
+    If the backward fails, the engine drops its callbacks unrun, and the deletion does the same
+    work. It holds the frame weakly: a frame (and the inputs it keeps) must die with its graph
+    nodes, not live on until the whole backward pass ends.
+    """
+
+    __slots__ = ("frame", "task")
+
+    def __init__(self, frame: Frame, task: int) -> None:
+        self.frame, self.task = weakref.ref(frame), task
+
+    def __call__(self) -> None:
+        frame = self.frame()
+        if frame is not None:
+            frame.release(self.task)
+
+    __del__ = __call__
+
+
+class _SavedTensorsCallback:
+    """Selective checkpointing's ``observe_saved_tensors()`` callback, as an observer."""
+
+    def __init__(self, callback: Callable[[torch.Tensor], None]) -> None:
+        self.callback = callback
+
+    def on_pack(self, frame: Frame, holder: Holder, tensor: torch.Tensor, ptr: int | None) -> None:
+        self.callback(tensor)
+
+
+def save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+    """Hand the inputs to autograd as saved tensors (through the active pack hook: nesting);
+    return how to get them back."""
+    if _make_saved_tensor is not None:
+        saved = [_make_saved_tensor(t, is_output=False) for t in tensors]
+        return lambda: [s.unpack() for s in saved]
+    anchor = torch.empty(0, requires_grad=True)   # older torch: a do-nothing Function saves them
+    node = _InputSaver.apply(anchor, *tensors).grad_fn
+    return lambda: list(node.saved_tensors)
+
+
+class _InputSaver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, *tensors):
+        ctx.save_for_backward(*tensors)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad):  # pragma: no cover - its output is never used
+        return (None,) * (1 + len(ctx.saved_tensors))
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, torch.Size)   # a pytree node that unflattens to a tuple: keep it whole
+
+
+def _identity(x):
+    return x
+
+
+def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    return tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                 for device in _AUTOCAST_DEVICES)
+
+
+def _autocast(state) -> ContextManager:
+    """The forward's autocast state, for a rerun that runs under another one (step 3)."""
+    return _together([torch.autocast(device, dtype=dtype, enabled=enabled) for device, enabled, dtype in state])
+
+
+def _together(contexts: list[ContextManager]) -> ContextManager:
+    """Several contexts entered now, as one to exit (nothing to enter: a shared null context)."""
+    if not contexts:
+        return _NOTHING
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        return stack.pop_all()
+
+
+def checkpoint(
+    fn: Callable[..., Any],
+    *args: Any,
+    preserve_rng_state: bool = True,
+    early_stop: bool = True,
+    debug: bool = False,
+    context_fn: Callable[[], tuple[ContextManager, ContextManager]] | None = None,
+    use_reentrant: bool | None = None,
+    determinism_check: str = "default",
+    **kwargs: Any,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` without keeping its activations; recompute them in backward.
+
+    Args:
+        fn: any callable; ``args`` and ``kwargs`` may be nested tuples, lists,
+            dicts (any pytree) holding tensors, numbers, strings, ``None``, dtypes or
+            sizes; its return value is passed back untouched.
+        preserve_rng_state: replay the CPU (and initialised CUDA) RNG state during
+            recomputation so dropout draws the same mask. The caller's RNG stream is
+            never moved by the recomputation. A ``torch.Generator`` of the caller's
+            (``torch.rand(..., generator=g)``) is replayed too where the checkpoint can
+            find it: among the arguments, in ``fn``'s closure or defaults, as a global name
+            its code reads, in a ``functools.partial``'s arguments, or as an attribute of a
+            module ``fn`` is, is bound to or closes over, and of its submodules. One reached
+            any other way (an attribute of a plain object, of a module that is a global) is
+            not replayed, silently: pass it as an argument. Python's ``random`` and
+            NumPy are never replayed; the first call of each function warns
+            (``NotReplayedRandomWarning``) if it drew from them.
+        early_stop: stop the recomputation as soon as every needed tensor is back
+            (``torch.utils.checkpoint.set_checkpoint_early_stop`` overrides it, as in torch).
+        debug: print a trace line for each pack, recompute, early stop and unpack.
+        context_fn: returns ``(forward_context, recompute_context)`` to run ``fn``
+            under in forward and in recomputation (as in ``torch.utils.checkpoint``).
+        use_reentrant: accepted for drop-in compatibility; only ``False``/``None``.
+        determinism_check: ``"default"`` compares each saved tensor of the recomputation
+            with the forward's (shape, dtype, device, the kind of op that made it, and that
+            a saved parameter is the same tensor); ``"none"`` compares none, as in torch.
+            Either way an in-place change of a saved tensor inside ``fn`` raises, as in plain
+            autograd.
+
+    Gradients equal plain autograd bitwise; under ``torch.no_grad()`` this is a plain
+    call. Under ``torch.compile`` it runs eagerly between compiled graphs (``compile.py``).
+
+    >>> import torch
+    >>> x = torch.randn(8, 8, requires_grad=True)
+    >>> w = torch.randn(8, 8, requires_grad=True)
+    >>> def layer(inp, weight, *, scale):
+    ...     return (inp @ weight).relu() * scale
+    >>> checkpoint(layer, x, w, scale=2.0).sum().backward()
+    >>> expected = torch.autograd.grad(layer(x, w, scale=2.0).sum(), w)[0]
+    >>> torch.equal(w.grad, expected)
+    True
+    """
+    if torch.compiler.is_compiling():   # Dynamo is tracing this call: run it eagerly
+        return compile_.outside_dynamo(checkpoint)(
+            fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop, debug=debug,
+            context_fn=context_fn, use_reentrant=use_reentrant, determinism_check=determinism_check,
+            **kwargs)
+    check_checkpoint_arguments(fn, {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop,
+                                    "debug": debug}, context_fn, use_reentrant, determinism_check)
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    frame = Frame(fn, args, kwargs, preserve_rng_state, torch_early_stop(early_stop),
+                  checkpoint_contexts(context_fn), debug, check_keys=determinism_check == "default")
+    foreign_draws = rng.ForeignDraws.first_time(fn) if preserve_rng_state else None
+    cuda_was_up = torch.cuda.is_initialized()
+    returned = False
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), frame.forward_context, \
+            rng.in_use(frame.rng) if preserve_rng_state else _NOTHING as rng_use, \
+            _together([hook() for hook in frame.around_forward]):
+        try:
+            output = fn(*args, **kwargs)
+            returned = True
+        except BaseException as error:
+            failure = error   # kept for the message below, should the forward context swallow it
+            raise
+    if not returned:
+        raise RuntimeError(
+            f"checkpoint {frame.region}: the forward context from context_fn suppressed the exception the "
+            f"checkpointed function raised ({type(failure).__name__}: {failure}), so there is no output to "
+            "return. Let the context's __exit__ return None or False (do not swallow exceptions), or catch "
+            "the exception inside the function.") from failure
+    if foreign_draws is not None:
+        foreign_draws.warn_if_moved(frame.region, stacklevel=caller_stacklevel() + 1)
+    if preserve_rng_state and not cuda_was_up and torch.cuda.is_initialized():
+        raise CheckpointError(
+            f"checkpoint {frame.region}: CUDA was initialised inside the checkpointed function, so "
+            "its RNG state could not be saved for the recomputation. Initialise CUDA before "
+            "checkpointing (e.g. torch.cuda.init(), or move the model to the GPU first), or pass "
+            "preserve_rng_state=False.")
+    frame.forward_done(output, rng_use)
+    return output
+
+
+compile_.run_eagerly_under_dynamo(checkpoint)
