@@ -136,11 +136,17 @@ class Frame:
             self.observers.append(trace.Tracer(echo=debug))
         self._hooks()
 
+    # The named points: each holds the bound methods of the observers that have one.
+    on_pack = after_forward = before_rerun = on_recompute = on_fill = on_early_stop = on_unpack = \
+        on_release = around_rerun = around_forward = ()
+
     def _hooks(self) -> None:
-        """Each named point's list of observer methods (only those an observer has)."""
-        for point in ("on_pack", "after_forward", "before_rerun", "on_recompute", "on_fill",
-                      "on_early_stop", "on_unpack", "on_release", "around_rerun", "around_forward"):
-            setattr(self, point, [getattr(o, point) for o in self.observers if hasattr(o, point)])
+        for point in _POINTS:
+            vars(self).pop(point, None)
+        for observer in self.observers:
+            for point in _points_of(type(observer)):
+                hooks = vars(self).setdefault(point, [])
+                hooks.append(getattr(observer, point))
 
     @property
     def region(self) -> RegionId:
@@ -166,7 +172,7 @@ class Frame:
         return holder
 
     def forward_done(self, output: Any, rng_use: rng.in_use | None) -> None:
-        if rng_use is not None:
+        if rng_use is not None and rng_use.overlapped:   # another thread drew meanwhile: did we?
             self.rng_after = rng.capture_devices(self.rng.cuda_devices)
             self.rng_overlap = rng_use.overlapped
         if not self.keys:   # nothing saved, so nothing will be recomputed: let the inputs go
@@ -279,11 +285,11 @@ class Frame:
                     stop(index)
             return detached
 
-        rng_uses: list[rng.in_use] = []
+        replays: list[rng.replay] = []
         try:
             with torch.autograd.graph.saved_tensors_hooks(fill, _identity), \
                     _together([hook(self) for hook in self.around_rerun]):
-                self._run_again(rerun_input_ptrs, rng_uses)
+                self._run_again(rerun_input_ptrs, replays)
         except StopRecomputation:
             pass
         except RecomputeAgain:
@@ -297,8 +303,7 @@ class Frame:
                 if lost is not None and not isinstance(error, CheckpointError):
                     raise CheckpointError(f"checkpoint {self.region}: {lost}") from error
                 raise
-        shared = self.rng and rng.shared_with_another_thread(
-            self.rng, self.rng_after, self.rng_overlap.union(*(use.overlapped for use in rng_uses)))
+        shared = self.rng and rng.shared_with_another_thread(self.rng, self.rng_after, self.rng_overlap, replays)
         saved = next(counter)
         if shared or saved <= last_needed:
             self.release(task)
@@ -306,7 +311,7 @@ class Frame:
                 f"the recomputation saved fewer tensors than the forward pass did (forward saved "
                 f"{len(self.keys)}, recomputation {saved}). {self.guards.mismatch_causes()}")))
 
-    def _run_again(self, rerun_input_ptrs: set[int], rng_uses: list) -> None:
+    def _run_again(self, rerun_input_ptrs: set[int], replays: list) -> None:
         inputs = [guards.rerun_input(t) if t.requires_grad else t for t in self.saved_inputs()]
         rerun_input_ptrs.update(storage_ptrs(inputs))
         leaves = list(self.leaves)
@@ -317,10 +322,9 @@ class Frame:
         casting = _autocast(self.autocast) if self.autocast != _autocast_state() else _NOTHING
         _thread.recompute_depth += 1
         try:
-            with random as use, torch.enable_grad(), guards.outside_inference_mode(), casting, \
-                    self.recompute_context:
-                if use is not None:
-                    rng_uses.append(use)
+            if self.rng is not None:
+                replays.append(random)
+            with random, torch.enable_grad(), guards.outside_inference_mode(), casting, self.recompute_context:
                 self.fn(*args, **kwargs)
         finally:
             _thread.recompute_depth -= 1
@@ -344,6 +348,19 @@ class Frame:
         self.recomputed_in.discard(task)
         for hook in self.on_release:
             hook(self, task, released)
+
+
+_POINTS = ("on_pack", "after_forward", "before_rerun", "on_recompute", "on_fill", "on_early_stop",
+           "on_unpack", "on_release", "around_rerun", "around_forward")
+_POINTS_BY_CLASS: dict[type, tuple[str, ...]] = {}
+
+
+def _points_of(kind: type) -> tuple[str, ...]:
+    """The named points an observer class has a method for (looked up once per class)."""
+    points = _POINTS_BY_CLASS.get(kind)
+    if points is None:
+        points = _POINTS_BY_CLASS[kind] = tuple(p for p in _POINTS if callable(getattr(kind, p, None)))
+    return points
 
 
 class _ReleaseUnused:
