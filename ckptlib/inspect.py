@@ -280,11 +280,11 @@ def _short_op(func: Any) -> str:
     return name.strip("_") if name.startswith("__") else name
 
 
-def _region_label(labels: dict[str, str], region: str) -> str:
-    """``"Sequential@17"`` -> ``"Sequential#0"``: ckptlib numbers regions process-wide, a report
-    numbers them per name in order of appearance, so printed reports are reproducible."""
+def _region_label(labels: dict[Any, str], region: Any) -> str:
+    """``RegionId("Sequential", 17)`` -> ``"Sequential#0"``: ckptlib numbers regions process-wide, a
+    report numbers them per name in order of appearance, so printed reports are reproducible."""
     if region not in labels:
-        name = region.rsplit("@", 1)[0]
+        name = getattr(region, "name", region)   # a RegionId, or a label such as torch's checkpoint
         labels[region] = f"{name}#{sum(label.rsplit('#', 1)[0] == name for label in labels.values())}"
     return labels[region]
 

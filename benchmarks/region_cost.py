@@ -1,0 +1,269 @@
+"""What one checkpointed region costs, part by part, beside a bare hook-based floor and torch's.
+
+    python benchmarks/region_cost.py [--rounds 30] [--json benchmarks/results/region_cost.json]
+                                     [--markdown benchmarks/README.md] [--from-json FILE]
+
+Three workloads, each one training step (forward, ``square().sum()``, backward):
+
+* a tiny region: ``torch.sin`` of 4 numbers (almost no work: the fixed cost of a region);
+* an ``MLPChain`` block (Linear + ReLU, width 256, batch 8);
+* a ``TinyTransformer`` block (d_model 128, 4 heads, seq 64, batch 8).
+
+Variants, all in one run, interleaved (each round runs every variant once, in a rotating order):
+
+* ``plain``: no checkpoint; ``torch.utils.checkpoint``: ``use_reentrant=False``;
+* ``floor``: the bare hook-based checkpoint of this file (pack a handle; the first unpack reruns
+  the function once under a second hook that fills the handles): no RNG, no checks;
+* ``ckptlib, hooks only``: ``ckptlib.checkpoint`` with ``preserve_rng_state=False``,
+  ``determinism_check="none"`` and its guards observer replaced by one that does nothing (in
+  this script only);
+* ``+ RNG``: the same with the RNG captured and replayed; ``+ keys``: and each saved tensor's
+  key compared; ``ckptlib``: as shipped, every guard on.
+
+The cost of a variant is its step time minus the plain step's, so the work of the region itself
+cancels out; the breakdown subtracts neighbouring variants: Python (the frame, holders,
+contexts: ``ckptlib, hooks only`` minus ``floor``), RNG, keys, guards. Timing: one torch
+thread, this process's CPU time, the median over rounds with quartiles. On a shared machine a
+difference inside the quartiles is noise.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import sys
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+import ckptlib
+from ckptlib.core import guards
+from ckptlib.models import MLPChain, TinyTransformer
+
+
+class _Handle:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self) -> None:
+        self.tensor = None
+
+
+def floor_checkpoint(fn: Callable[..., Any], *args: torch.Tensor) -> Any:
+    """The least a hook-based checkpoint does: handles in forward, one rerun to fill them."""
+    handles: list[weakref.ReferenceType[_Handle]] = []
+
+    def pack(tensor: torch.Tensor) -> _Handle:
+        handle = _Handle()
+        handles.append(weakref.ref(handle))
+        return handle
+
+    def unpack(handle: _Handle) -> torch.Tensor:
+        if handle.tensor is None:
+            order = iter(handles)
+
+            def fill(tensor: torch.Tensor) -> torch.Tensor:
+                target = next(order)()
+                if target is not None:
+                    target.tensor = tensor.detach()
+                return tensor
+
+            inputs = [a.detach().requires_grad_(a.requires_grad) for a in args]
+            with torch.autograd.graph.saved_tensors_hooks(fill, lambda t: t), torch.enable_grad():
+                fn(*inputs)
+        tensor, handle.tensor = handle.tensor, None
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fn(*args)
+
+
+class _NoGuards:
+    """A guards observer that checks nothing (``ckptlib, hooks only`` and ``+ RNG``, ``+ keys``)."""
+
+    def __init__(self, fn: Any, inputs: list[torch.Tensor]) -> None:
+        pass
+
+    def mismatch_causes(self) -> str:
+        return ""
+
+    def lost_transform(self) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def _guards_off() -> Iterator[None]:
+    original = guards.Guards
+    guards.Guards = _NoGuards
+    try:
+        yield
+    finally:
+        guards.Guards = original
+
+
+def _ckptlib(rng: bool, keys: bool, guarded: bool) -> Callable[[], contextlib.AbstractContextManager]:
+    check = "default" if keys else "none"
+
+    def run(fn, x):
+        return ckptlib.checkpoint(fn, x, preserve_rng_state=rng, determinism_check=check)
+
+    return lambda: contextlib.nullcontext(run) if guarded else _with(_guards_off(), run)
+
+
+@contextlib.contextmanager
+def _with(context: contextlib.AbstractContextManager, run: Callable) -> Iterator[Callable]:
+    with context:
+        yield run
+
+
+VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "plain": lambda: contextlib.nullcontext(lambda fn, x: fn(x)),
+    "torch.utils.checkpoint": lambda: contextlib.nullcontext(
+        lambda fn, x: torch_checkpoint(fn, x, use_reentrant=False)),
+    "floor": lambda: contextlib.nullcontext(floor_checkpoint),
+    "ckptlib, hooks only": _ckptlib(rng=False, keys=False, guarded=False),
+    "+ RNG": _ckptlib(rng=True, keys=False, guarded=False),
+    "+ keys": _ckptlib(rng=True, keys=True, guarded=False),
+    "ckptlib": _ckptlib(rng=True, keys=True, guarded=True),
+}
+PARTS = {   # breakdown row -> (variant, the variant it is measured against)
+    "floor (hooks, one rerun)": ("floor", "plain"),
+    "Python: frame, holders, contexts": ("ckptlib, hooks only", "floor"),
+    "RNG capture and replay": ("+ RNG", "ckptlib, hooks only"),
+    "keys compared at every pack": ("+ keys", "+ RNG"),
+    "guards (versions, parameters, in-place)": ("ckptlib", "+ keys"),
+}
+
+
+def workloads() -> dict[str, tuple[Callable, torch.Tensor, int]]:
+    """name -> (function, input, steps per round)."""
+    torch.manual_seed(0)
+    mlp = MLPChain(depth=1, width=256)
+    transformer = TinyTransformer(depth=1, d_model=128, heads=4, seq=64)
+    return {
+        "tiny region (sin of 4 numbers)": (torch.sin, torch.randn(4), 200),
+        "MLPChain block (width 256, batch 8)": (mlp.blocks[0], torch.randn(8, 256), 20),
+        "TinyTransformer block (d_model 128, seq 64, batch 8)": (transformer.blocks[0],
+                                                                 torch.randn(8, 64, 128), 10),
+    }
+
+
+def step(run: Callable, fn: Callable, x: torch.Tensor) -> None:
+    run(fn, x.requires_grad_()).square().sum().backward()
+
+
+def measure(rounds: int) -> dict:
+    torch.set_num_threads(1)
+    results = {}
+    names = list(VARIANTS)
+    for workload, (fn, x, steps) in workloads().items():
+        for name in names:   # warm up
+            with VARIANTS[name]() as run:
+                for _ in range(5):
+                    step(run, fn, x)
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for round_index in range(rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                with VARIANTS[name]() as run:
+                    began = time.process_time()
+                    for _ in range(steps):
+                        step(run, fn, x)
+                    samples[name].append((time.process_time() - began) / steps * 1e6)
+        median = {name: statistics.median(values) for name, values in samples.items()}
+        quartiles = {name: statistics.quantiles(values, n=4) for name, values in samples.items()}
+        cost = {name: median[name] - median["plain"] for name in names if name != "plain"}
+        results[workload] = {
+            "median_us_per_step": {name: round(value, 1) for name, value in median.items()},
+            "quartiles_us_per_step": {name: [round(q[0], 1), round(q[2], 1)] for name, q in quartiles.items()},
+            "cost_us": {name: round(value, 1) for name, value in cost.items()},
+            "breakdown_us": {part: round(median[a] - median[b], 1) for part, (a, b) in PARTS.items()},
+            "ratios": {
+                "ckptlib cost / torch cost": round(cost["ckptlib"] / cost["torch.utils.checkpoint"], 3),
+                "floor cost / torch cost": round(cost["floor"] / cost["torch.utils.checkpoint"], 3),
+                "ckptlib step / torch step": round(median["ckptlib"] / median["torch.utils.checkpoint"], 3),
+            },
+        }
+    return {
+        "schema": "ckptlib.region_cost/1",
+        "environment": {"torch": torch.__version__, "python": platform.python_version(), "threads": 1,
+                        "clock": "process CPU time", "rounds": rounds, "machine": platform.machine()},
+        "workloads": results,
+    }
+
+
+def table(result: dict) -> str:
+    lines = []
+    for workload, numbers in result["workloads"].items():
+        lines.append(workload)
+        for name, value in numbers["median_us_per_step"].items():
+            low, high = numbers["quartiles_us_per_step"][name]
+            extra = f"   cost {numbers['cost_us'][name]:+8.1f} us" if name in numbers["cost_us"] else ""
+            lines.append(f"  {name:<26} {value:>9.1f} us per step ({low:.1f} to {high:.1f}){extra}")
+        lines.append("  breakdown of ckptlib's cost:")
+        for part, value in numbers["breakdown_us"].items():
+            lines.append(f"    {part:<42} {value:+8.1f} us")
+        for name, value in numbers["ratios"].items():
+            lines.append(f"  {name:<30} {value:.3f}")
+    return "\n".join(lines)
+
+
+MARKDOWN_BEGIN = "<!-- region cost: begin (written by benchmarks/region_cost.py --markdown) -->"
+MARKDOWN_END = "<!-- region cost: end -->"
+
+
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    head = [f"torch {env['torch']}, {env['threads']} thread, {env['clock']}, {env['rounds']} interleaved "
+            "rounds; cost = median step time minus the plain step's, in us (quartiles of the step times "
+            "in brackets).", ""]
+    columns = ["torch.utils.checkpoint", "floor", "ckptlib, hooks only", "+ RNG", "+ keys", "ckptlib"]
+    lines = head + ["| workload | " + " | ".join(columns) + " | ckptlib / torch | floor / torch |",
+                    "| --- |" + " ---: |" * (len(columns) + 2)]
+    for workload, numbers in result["workloads"].items():
+        cells = [f"{numbers['cost_us'][name]:+.1f} [{numbers['quartiles_us_per_step'][name][0]:.0f}-"
+                 f"{numbers['quartiles_us_per_step'][name][1]:.0f}]" for name in columns]
+        ratios = numbers["ratios"]
+        lines.append(f"| {workload} | " + " | ".join(cells) + f" | {ratios['ckptlib cost / torch cost']:.3f} "
+                     f"| {ratios['floor cost / torch cost']:.3f} |")
+    lines += ["", "Breakdown of ckptlib's cost per region (us):", "",
+              "| workload | " + " | ".join(PARTS) + " |", "| --- |" + " ---: |" * len(PARTS)]
+    for workload, numbers in result["workloads"].items():
+        lines.append(f"| {workload} | " + " | ".join(f"{v:+.1f}" for v in numbers["breakdown_us"].values()) + " |")
+    return "\n".join(lines)
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    """Replace the text between the region-cost markers in ``path`` with :func:`markdown`."""
+    text = path.read_text()
+    if MARKDOWN_BEGIN not in text or MARKDOWN_END not in text:
+        raise SystemExit(f"{path} has no region-cost markers ({MARKDOWN_BEGIN} ... {MARKDOWN_END}); add "
+                         "them where the table should go.")
+    head, rest = text.split(MARKDOWN_BEGIN, 1)
+    _, tail = rest.split(MARKDOWN_END, 1)
+    path.write_text(f"{head}{MARKDOWN_BEGIN}\n{markdown(result)}\n{MARKDOWN_END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="write the tables between the region-cost markers of this Markdown file")
+    parser.add_argument("--from-json", type=Path, default=None, help="report a saved run instead of measuring")
+    args = parser.parse_args(argv)
+    result = json.loads(args.from_json.read_text()) if args.from_json else measure(args.rounds)
+    print(table(result))
+    if args.json is not None and args.from_json is None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.markdown is not None:
+        write_markdown(args.markdown, result)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
