@@ -38,11 +38,10 @@ alternatives; under ``fullgraph=True`` Dynamo refuses with the reason.
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Any, Callable, Union
 
 import torch
 import torch.nn as nn
@@ -99,7 +98,8 @@ def apply_checkpointing(
     False
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"apply_checkpointing: model must be an nn.Module, got {type(model).__name__}. "
+        raise TypeError("apply_checkpointing: model must be an nn.Module, "
+                        f"got {type(model).__name__}. "
                         "To checkpoint a function, call ckptlib.checkpoint(fn, *args).")
     _check_how(how)
     integer(every_n, "every_n", least=1, where="apply_checkpointing")
@@ -108,8 +108,9 @@ def apply_checkpointing(
     for path, module in chosen:
         _refuse_double_checkpointing(path, module)
         if _wrapper_of(module) is not None:
-            raise ValueError(f"apply_checkpointing: {path or type(model).__name__} is already checkpointed by "
-                             "ckptlib; call ckptlib.remove_checkpointing(model) before applying again.")
+            raise ValueError(f"apply_checkpointing: {path or type(model).__name__} is already "
+                             "checkpointed by ckptlib; call ckptlib.remove_checkpointing(model) "
+                             "before applying again.")
     for path, module in chosen:
         _wrap(module, path, how, plans, preserve_rng_state, handle)
     return handle
@@ -134,7 +135,8 @@ def remove_checkpointing(model: nn.Module) -> list[str]:
 
 
 class Checkpointed:
-    """What :func:`apply_checkpointing` did: the module paths wrapped, and how; undo with :meth:`remove`."""
+    """What :func:`apply_checkpointing` did: the module paths wrapped, and how; undo with
+    :meth:`remove`."""
 
     def __init__(self, model: nn.Module, how: Any) -> None:
         self.model = model
@@ -143,7 +145,8 @@ class Checkpointed:
         self.warned: set[str] = set()   # which one-time warnings this handle has given
 
     def remove(self) -> None:
-        """Give every module this handle wrapped its own ``forward`` back (``paths`` still says which)."""
+        """Give every module this handle wrapped its own ``forward`` back (``paths`` still says
+        which)."""
         for path in self.paths:
             module = self.model.get_submodule(path)
             wrapper = _wrapper_of(module)
@@ -165,7 +168,8 @@ class Checkpointed:
         return len(self.paths)
 
     def __str__(self) -> str:
-        how = self.how if isinstance(self.how, str) else f"selective {getattr(self.how, '__name__', 'policy')}"
+        how = (self.how if isinstance(self.how, str)
+               else f"selective {getattr(self.how, '__name__', 'policy')}")
         return f"checkpointed ({how}): " + (", ".join(self.paths) or "nothing")
 
     __repr__ = __str__
@@ -202,31 +206,35 @@ def _selected(model: nn.Module, select: Selector) -> list[tuple[str, nn.Module]]
     if select is None:
         found = repeated_layers(model)
         if not found:
-            raise ValueError(f"apply_checkpointing: {type(model).__name__} has no ModuleList or Sequential of "
-                             "repeated layers; choose modules with a class, a path pattern such as "
-                             "'encoder.layers.*', or a predicate (path, module) -> bool.")
+            raise ValueError(f"apply_checkpointing: {type(model).__name__} has no ModuleList or "
+                             "Sequential of repeated layers; choose modules with a class, a path "
+                             "pattern such as 'encoder.layers.*', or a predicate "
+                             "(path, module) -> bool.")
         return found
     test = _matcher(select)
     found = [(path, module) for path, module in model.named_modules() if test(path, module)]
     if not found:
         some = [path for path, _ in model.named_modules() if path][:6]
-        raise ValueError(f"apply_checkpointing: select={select!r} matches no module of {type(model).__name__}; "
-                         f"its modules are named like {', '.join(some)}, ... (model.named_modules()).")
+        raise ValueError(f"apply_checkpointing: select={select!r} matches no module of "
+                         f"{type(model).__name__}; its modules are named like "
+                         f"{', '.join(some)}, ... (model.named_modules()).")
     return found
 
 
 def _matcher(select: Selector) -> Callable[[str, nn.Module], bool]:
     if isinstance(select, str):
         select = [select]
-    if isinstance(select, type) or (isinstance(select, tuple) and all(isinstance(s, type) for s in select)):
+    if isinstance(select, type) or (
+            isinstance(select, tuple) and all(isinstance(s, type) for s in select)):
         return lambda path, module: isinstance(module, select)
     if isinstance(select, (list, tuple)) and all(isinstance(s, str) for s in select):
         patterns = list(select)
         return lambda path, module: any(fnmatch.fnmatchcase(path, pattern) for pattern in patterns)
     if callable(select):
         return lambda path, module: bool(select(path, module))
-    raise TypeError(f"apply_checkpointing: select must be None, a module class, a path pattern (or a list of "
-                    f"them), or a predicate (path, module) -> bool; got {type(select).__name__}.")
+    raise TypeError("apply_checkpointing: select must be None, a module class, a path pattern "
+                    "(or a list of them), or a predicate (path, module) -> bool; "
+                    f"got {type(select).__name__}.")
 
 
 def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -241,22 +249,25 @@ def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
 def _check_how(how: Any) -> None:
     if isinstance(how, str):
         if how not in HOWS:
-            raise ValueError(f"apply_checkpointing: how={how!r} is not known; use 'full', 'offload', or a "
-                             "selective policy such as ckptlib.save_matmuls.")
+            raise ValueError(f"apply_checkpointing: how={how!r} is not known; use 'full', "
+                             "'offload', or a selective policy such as ckptlib.save_matmuls.")
         return
     from ckptlib.selective.modes import _as_predicate
     try:
         _as_predicate(how)
     except (TypeError, ValueError) as error:
-        raise TypeError(f"apply_checkpointing: how must be 'full', 'offload' or a selective policy: {error}") from None
+        raise TypeError("apply_checkpointing: how must be 'full', 'offload' or a selective "
+                        f"policy: {error}") from None
 
 
 def _refuse_double_checkpointing(path: str, module: nn.Module) -> None:
-    if getattr(module, "gradient_checkpointing", False) is True and module.training:   # read per call: cheap
+    # read per call: cheap
+    if getattr(module, "gradient_checkpointing", False) is True and module.training:
         raise CheckpointError(
-            f"{path}: Hugging Face's gradient checkpointing is on for this layer as well, so it would be "
-            "checkpointed twice (rerun twice in backward). Call model.gradient_checkpointing_disable() "
-            "before ckptlib.apply_checkpointing(model), or use only Hugging Face's switch.")
+            f"{path}: Hugging Face's gradient checkpointing is on for this layer as well, so it "
+            "would be checkpointed twice (rerun twice in backward). Call "
+            "model.gradient_checkpointing_disable() before ckptlib.apply_checkpointing(model), "
+            "or use only Hugging Face's switch.")
 
 
 # ---------------------------------------------------------------------------
@@ -271,14 +282,16 @@ class _Wrapper:
                  handle: Checkpointed) -> None:
         self.path, self.how, self.plans, self.handle = path, how, plans, handle
         self.preserve_rng_state = preserve_rng_state
-        self.own_forward = module.__dict__.get("forward")   # an instance forward someone else set (accelerate)
+        # an instance forward someone else set (accelerate)
+        self.own_forward = module.__dict__.get("forward")
         self.module = weakref.ref(module)
         inner = module.forward
 
         def region(args: tuple, kwargs: dict) -> Any:
             return inner(*args, **kwargs)
 
-        # checkpoint names its region after the function: errors and traces read "transformer.h.1@13".
+        # checkpoint names its region after the function: errors and traces read
+        # "transformer.h.1@13".
         region.__qualname__ = region.__name__ = path or type(module).__name__
         self.region = region
 
@@ -315,7 +328,8 @@ class _Wrapper:
 def _wrap(module: nn.Module, path: str, how: Any, plans: Any, preserve_rng_state: bool,
           handle: Checkpointed) -> None:
     wrapper = _Wrapper(module, path, how, plans, preserve_rng_state, handle)
-    module.forward = wrapper   # an instance attribute: nn.Module.__call__ finds it before the class's
+    # an instance attribute: nn.Module.__call__ finds it before the class's
+    module.forward = wrapper
     handle.paths.append(path)
 
 
@@ -330,13 +344,15 @@ def _wrapper_of(module: nn.Module) -> _Wrapper | None:
 
 
 def _is_hf_cache(value: Any) -> bool:
-    """A ``transformers`` cache object (``DynamicCache`` ...), known without importing transformers."""
+    """A ``transformers`` cache object (``DynamicCache`` ...), known without importing
+    transformers."""
     return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers")
                for cls in type(value).__mro__)
 
 
 def _without_cache(wrapper: _Wrapper, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The call's arguments with any Hugging Face cache replaced by ``None`` and ``use_cache=False``."""
+    """The call's arguments with any Hugging Face cache replaced by ``None`` and
+    ``use_cache=False``."""
     caches = [type(a).__name__ for a in (*args, *kwargs.values()) if _is_hf_cache(a)]
     if not caches and not kwargs.get("use_cache"):
         return args, kwargs
@@ -346,9 +362,10 @@ def _without_cache(wrapper: _Wrapper, args: tuple, kwargs: dict) -> tuple[tuple,
         kwargs["use_cache"] = False
     if caches:
         wrapper.handle.warn_once("cache", (
-            f"apply_checkpointing: {wrapper.path} was called with a Hugging Face cache ({caches[0]}); the "
-            "rerun in backward would append to it a second time, so the checkpointed layers run without "
-            "it. Pass use_cache=False to the model when training to silence this warning."))
+            f"apply_checkpointing: {wrapper.path} was called with a Hugging Face cache "
+            f"({caches[0]}); the rerun in backward would append to it a second time, so the "
+            "checkpointed layers run without it. Pass use_cache=False to the model when training "
+            "to silence this warning."))
     return args, kwargs
 
 
@@ -357,8 +374,9 @@ def _run_under_compile(wrapper: _Wrapper, args: tuple, kwargs: dict) -> Any:
     count = len(wrapper.handle.paths)
     wrapper.handle.warn_once("compile", (
         f"apply_checkpointing under torch.compile: each of the {count} checkpointed modules "
-        f"({wrapper.handle.paths[0]}, ...) runs eagerly between compiled graphs, {count} graph breaks per "
-        "forward: nothing inside them is compiled or fused, and each break costs a return to Python. "
+        f"({wrapper.handle.paths[0]}, ...) runs eagerly between compiled graphs, "
+        f"{count} graph breaks per forward: nothing inside them is compiled or fused, "
+        "and each break costs a return to Python. "
         "For one compiled graph, remove_checkpointing(model) and let the compiler recompute: "
         "torch.utils.checkpoint (Hugging Face's gradient_checkpointing_enable()) or "
         "torch._functorch.config.activation_memory_budget, with fullgraph=True."))
@@ -366,9 +384,10 @@ def _run_under_compile(wrapper: _Wrapper, args: tuple, kwargs: dict) -> Any:
     return wrapper.run(args, kwargs)
 
 
-# The two marks torch.compiler.disable sets (as on ckptlib.checkpoint): Dynamo breaks the graph at the
-# call and runs it eagerly; under fullgraph=True it refuses with this message.
+# The two marks torch.compiler.disable sets (as on ckptlib.checkpoint): Dynamo breaks the graph at
+# the call and runs it eagerly; under fullgraph=True it refuses with this message.
 _run_under_compile._torchdynamo_disable = True   # type: ignore[attr-defined]
 _run_under_compile._torchdynamo_disable_msg = (   # type: ignore[attr-defined]
     "a module checkpointed by ckptlib.apply_checkpointing runs eagerly under torch.compile: drop "
-    "fullgraph=True, or remove_checkpointing(model) and use torch.utils.checkpoint inside a fullgraph region.")
+    "fullgraph=True, or remove_checkpointing(model) and use torch.utils.checkpoint inside a "
+    "fullgraph region.")

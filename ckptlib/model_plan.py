@@ -61,7 +61,8 @@ class ModuleCost:
     kept_bytes: int
     rerun_flops: int
     # inputs plain autograd does not save (a mask, position ids) but a checkpoint keeps:
-    # (storage number, bytes), numbered in the order first met so that layers sharing one count it once
+    # (storage number, bytes), numbered in the order first met so that layers sharing one count it
+    # once
     unsaved_inputs: frozenset[tuple[int, int]] = frozenset()
 
 
@@ -97,27 +98,31 @@ class ModelPlan:
 
     def __str__(self) -> str:
         width = max(len("module"), *(len(c.path) for c in self.costs))
-        lines = [f"{'module':<{width}}  checkpointed  {'bytes kept':>12}  {'bytes dropped':>13}  {'rerun FLOPs':>12}"]
+        lines = [f"{'module':<{width}}  checkpointed  {'bytes kept':>12}  "
+                 f"{'bytes dropped':>13}  {'rerun FLOPs':>12}"]
         for cost in self.costs:
             mark = "yes" if cost.path in self.checkpointed else "-"
-            lines.append(f"{cost.path:<{width}}  {mark:^12}  {cost.kept_bytes:>12,}  {cost.dropped_bytes:>13,}  "
-                         f"{cost.rerun_flops:>12,}")
+            lines.append(f"{cost.path:<{width}}  {mark:^12}  {cost.kept_bytes:>12,}  "
+                         f"{cost.dropped_bytes:>13,}  {cost.rerun_flops:>12,}")
         share = self.rerun_flops / self.forward_flops if self.forward_flops else 0.0
-        lines.append(f"plain autograd keeps {self.saved_bytes:,} bytes; this plan {self.kept_bytes:,} after forward, "
-                     f"peak {self.peak_bytes:,} <= budget {self.budget_bytes:,}; reruns {self.rerun_flops:,} FLOPs "
-                     f"({share:.0%} of the forward)")
+        lines.append(f"plain autograd keeps {self.saved_bytes:,} bytes; "
+                     f"this plan {self.kept_bytes:,} after forward, "
+                     f"peak {self.peak_bytes:,} <= budget {self.budget_bytes:,}; "
+                     f"reruns {self.rerun_flops:,} FLOPs ({share:.0%} of the forward)")
         return "\n".join(lines)
 
 
 def plan_checkpointing(model: nn.Module, example_inputs: Any, *, budget_bytes: int,
                        select: Selector = None) -> ModelPlan:
-    """The modules to checkpoint so that ``model``'s activations fit ``budget_bytes``, at the least rerun FLOPs.
+    """The modules to checkpoint so that ``model``'s activations fit ``budget_bytes``, at the least
+    rerun FLOPs.
 
     Args:
         model: any ``nn.Module``; it runs forward twice on ``example_inputs`` (no backward,
             the caller's RNG untouched).
-        example_inputs: a dict of keyword arguments (``{"input_ids": ..., "attention_mask": ...}``),
-            a tuple of positional ones, or one tensor: a batch like the training batches.
+        example_inputs: a dict of keyword arguments
+            (``{"input_ids": ..., "attention_mask": ...}``), a tuple of positional ones, or one
+            tensor: a batch like the training batches.
         budget_bytes: the bound on what autograd keeps for backward (parameters, gradients and
             optimizer state are not counted).
         select: the candidate modules, as for :func:`ckptlib.apply_checkpointing` (default: every
@@ -131,20 +136,24 @@ def plan_checkpointing(model: nn.Module, example_inputs: Any, *, budget_bytes: i
     >>> everything = ckptlib.plan_checkpointing(model, tokens, budget_bytes=10**9)
     >>> everything.checkpointed                   # it all fits: nothing to rerun
     ()
-    >>> plan = ckptlib.plan_checkpointing(model, tokens, budget_bytes=everything.saved_bytes * 3 // 4)
+    >>> budget = everything.saved_bytes * 3 // 4
+    >>> plan = ckptlib.plan_checkpointing(model, tokens, budget_bytes=budget)
     >>> plan.checkpointed, plan.peak_bytes <= plan.budget_bytes
     (('blocks.0', 'blocks.1', 'blocks.2'), True)
     >>> with ckptlib.apply_checkpointing(model, plan):
     ...     loss = model.training_step()
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"plan_checkpointing: model must be an nn.Module, got {type(model).__name__}.")
-    integer(budget_bytes, "budget_bytes", least=0, unit="number of bytes", where="plan_checkpointing")
+        raise TypeError("plan_checkpointing: model must be an nn.Module, "
+                        f"got {type(model).__name__}.")
+    integer(budget_bytes, "budget_bytes", least=0, unit="number of bytes",
+            where="plan_checkpointing")
     candidates = _outermost(_selected(model, select))
     with torch.random.fork_rng(devices=_devices(model)), torch.enable_grad():
         saved_bytes, dropped, kept, unsaved = _measure_bytes(model, example_inputs, candidates)
         flops, forward_flops = _measure_flops(model, example_inputs, candidates)
-    costs = tuple(ModuleCost(path, dropped[path], kept[path], flops[path], unsaved[path]) for path, _ in candidates)
+    costs = tuple(ModuleCost(path, dropped[path], kept[path], flops[path], unsaved[path])
+                  for path, _ in candidates)
     chosen = _fastest_within(costs, saved_bytes, budget_bytes)
     return ModelPlan(costs, chosen, saved_bytes, budget_bytes, forward_flops)
 
@@ -167,12 +176,14 @@ def _storages(value: Any) -> dict[int, int]:
     if hasattr(value, "to_tuple"):   # a transformers ModelOutput
         value = value.to_tuple()
     leaves = tree_flatten(value)[0]
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in leaves if isinstance(t, torch.Tensor)}
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in leaves if isinstance(t, torch.Tensor)}
 
 
-def _measure_bytes(model: nn.Module, example_inputs: Any, candidates: list[tuple[str, nn.Module]]) -> tuple:
-    """Plain autograd's saved bytes; per candidate the bytes it made and saved (dropped), its inputs (kept),
-    and those of its inputs plain autograd does not save."""
+def _measure_bytes(model: nn.Module, example_inputs: Any,
+                   candidates: list[tuple[str, nn.Module]]) -> tuple:
+    """Plain autograd's saved bytes; per candidate the bytes it made and saved (dropped), its inputs
+    (kept), and those of its inputs plain autograd does not save."""
     state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     saved: dict[int, int] = {}                       # every saved storage of the forward
     made: dict[str, dict[int, int]] = {path: {} for path, _ in candidates}
@@ -192,7 +203,8 @@ def _measure_bytes(model: nn.Module, example_inputs: Any, candidates: list[tuple
     def before(path: str):
         def hook(module, args, kwargs):
             active.append(path)
-            inputs[path].update((p, n) for p, n in _storages((args, kwargs)).items() if p not in state)
+            inputs[path].update((p, n) for p, n in _storages((args, kwargs)).items()
+                                if p not in state)
         return hook
 
     def after(path: str):
@@ -201,15 +213,19 @@ def _measure_bytes(model: nn.Module, example_inputs: Any, candidates: list[tuple
             outputs[path].update(_storages(output))
         return hook
 
-    with _hooks(candidates, before, after), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with (_hooks(candidates, before, after),
+          torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
         _call(model, example_inputs)
-    dropped = {path: sum(n for p, n in made[path].items() if p not in outputs[path]) for path in made}
+    dropped = {path: sum(n for p, n in made[path].items() if p not in outputs[path])
+               for path in made}
     kept = {path: sum(inputs[path].values()) for path in inputs}
-    numbers: dict[int, int] = {}   # storage pointer -> the order first met: the same numbers on every run
+    # storage pointer -> the order first met: the same numbers on every run
+    numbers: dict[int, int] = {}
     for path, _ in candidates:
         for pointer in inputs[path]:
             numbers.setdefault(pointer, len(numbers))
-    unsaved = {path: frozenset((numbers[p], n) for p, n in inputs[path].items() if p not in saved) for path in inputs}
+    unsaved = {path: frozenset((numbers[p], n) for p, n in inputs[path].items() if p not in saved)
+               for path in inputs}
     return sum(saved.values()), dropped, kept, unsaved
 
 
@@ -234,7 +250,8 @@ def _measure_flops(model: nn.Module, example_inputs: Any,
         _call(model, example_inputs)
     counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
     root = type(model).__name__
-    return {path: int(counts.get(f"{root}.{path}", 0)) for path, _ in candidates}, int(counter.get_total_flops())
+    return ({path: int(counts.get(f"{root}.{path}", 0)) for path, _ in candidates},
+            int(counter.get_total_flops()))
 
 
 def _devices(model: nn.Module) -> list[int]:
@@ -254,12 +271,15 @@ def _unsaved_bytes(chosen: list[ModuleCost]) -> int:
     return sum(n for _, n in set().union(*(c.unsaved_inputs for c in chosen)))
 
 
-def _fastest_within(costs: tuple[ModuleCost, ...], saved_bytes: int, budget_bytes: int) -> tuple[str, ...]:
-    """The set of modules with the least rerun FLOPs whose peak fits (see the notes); ties: fewer, then earlier."""
+def _fastest_within(costs: tuple[ModuleCost, ...], saved_bytes: int,
+                    budget_bytes: int) -> tuple[str, ...]:
+    """The set of modules with the least rerun FLOPs whose peak fits (see the notes); ties: fewer,
+    then earlier."""
     if saved_bytes <= budget_bytes:
         return ()
     best: tuple[int, int, tuple[int, ...]] | None = None
-    # The few inputs a checkpoint keeps that plain autograd does not (masks): counted all, to be safe.
+    # The few inputs a checkpoint keeps that plain autograd does not (masks): counted all, to be
+    # safe.
     unsaved = _unsaved_bytes(list(costs))
     for largest in sorted({cost.dropped_bytes for cost in costs}):
         allowed = [(i, cost) for i, cost in enumerate(costs) if cost.dropped_bytes <= largest]
@@ -272,19 +292,23 @@ def _fastest_within(costs: tuple[ModuleCost, ...], saved_bytes: int, budget_byte
     if best is None:
         least = _peak(saved_bytes, [cost.dropped_bytes for cost in costs]) + unsaved
         raise ValueError(
-            f"plan_checkpointing: no choice of the {len(costs)} candidate modules keeps the activations within "
-            f"{budget_bytes:,} bytes: plain autograd keeps {saved_bytes:,}, and checkpointing every candidate "
-            f"still {least:,}. Raise budget_bytes, make the batch smaller, or offer more candidates (select=).")
+            f"plan_checkpointing: no choice of the {len(costs)} candidate modules keeps the "
+            f"activations within {budget_bytes:,} bytes: plain autograd keeps {saved_bytes:,}, "
+            f"and checkpointing every candidate still {least:,}. Raise budget_bytes, make the "
+            "batch smaller, or offer more candidates (select=).")
     return tuple(costs[i].path for i in best[2])
 
 
 def _frontier(items: list[tuple[int, ModuleCost]]) -> list[tuple[int, int, tuple[int, ...]]]:
-    """Every (bytes dropped, FLOPs, chosen) that no other choice beats on both, over subsets of items."""
+    """Every (bytes dropped, FLOPs, chosen) that no other choice beats on both, over subsets of
+    items."""
     frontier: list[tuple[int, int, tuple[int, ...]]] = [(0, 0, ())]
     for index, cost in items:
-        grown = frontier + [(dropped + cost.dropped_bytes, flops + cost.rerun_flops, chosen + (index,))
-                            for dropped, flops, chosen in frontier]
-        # Least FLOPs first (then fewer, earlier modules); keep a choice only if it drops more than all before it.
+        grown = frontier + [
+            (dropped + cost.dropped_bytes, flops + cost.rerun_flops, chosen + (index,))
+            for dropped, flops, chosen in frontier]
+        # Least FLOPs first (then fewer, earlier modules); keep a choice only if it drops more than
+        # all before it.
         grown.sort(key=lambda option: (option[1], len(option[2]), option[2], -option[0]))
         frontier, most = [], -1
         for option in grown:

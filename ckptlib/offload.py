@@ -83,8 +83,8 @@ def _frees_device_memory(tensor: torch.Tensor) -> bool:
 
 
 def _host_copy(tensor: torch.Tensor, pinned: bool) -> torch.Tensor:
-    """A copy in host memory with the same strides; into pinned memory and asynchronous if ``pinned``
-    (pinned memory only speeds up CUDA copies)."""
+    """A copy in host memory with the same strides; into pinned memory and asynchronous if
+    ``pinned`` (pinned memory only speeds up CUDA copies)."""
     host = torch.empty_like(tensor, device="cpu", pin_memory=pinned)
     host.copy_(tensor, non_blocking=pinned)
     return host
@@ -162,8 +162,10 @@ class _Version:
         needed = f" needed by {node.name()}" if node is not None else ""
         raise RuntimeError(
             "offload_saved_tensors: one of the variables needed for gradient computation has been "
-            f"modified by an inplace operation: a saved tensor [{tensor.dtype}, shape {list(tensor.shape)}]"
-            f"{made}{needed} is at version {tensor._version}; expected version {self.version} instead. "
-            "It was changed in place after the forward pass saved it (plain autograd raises the same "
-            "error). Modify a clone instead (y = y.clone() before the in-place op), or do the in-place "
-            "update after backward.")
+            "modified by an inplace operation: a saved tensor "
+            f"[{tensor.dtype}, shape {list(tensor.shape)}]"
+            f"{made}{needed} is at version {tensor._version}; "
+            f"expected version {self.version} instead. "
+            "It was changed in place after the forward pass saved it (plain autograd raises the "
+            "same error). Modify a clone instead (y = y.clone() before the in-place op), or do the "
+            "in-place update after backward.")

@@ -1,4 +1,5 @@
-"""Moved: selective checkpointing is the package ``ckptlib.selective`` now; this module keeps old imports working.
+"""Moved: selective checkpointing is the package ``ckptlib.selective`` now; this module keeps
+old imports working.
 
 ``from ckptlib.policies import selective_checkpoint, SelectivePlans, ...`` gives the
 same objects as ``from ckptlib.selective import ...``, and so does every other name
@@ -14,11 +15,13 @@ from ckptlib.selective import *  # noqa: F401,F403  (the public names, as before
 from ckptlib.selective import __all__  # noqa: F401
 
 _MODULES = ("entry", "modes", "cache", "opgraph", "ops", "plans", "signatures", "costs")
-_RENAMED = {"_storage_key": ("ckptlib.storage", "storage_ptr")}   # one storage rule for checkpoint and selective
+# one storage rule for checkpoint and selective
+_RENAMED = {"_storage_key": ("ckptlib.storage", "storage_ptr")}
 
 
 def __getattr__(name: str) -> Any:
-    """An old private name (``_OpGraph``, ``_fingerprint`` ...), from the module that holds it now."""
+    """An old private name (``_OpGraph``, ``_fingerprint`` ...), from the module that holds it
+    now."""
     if name in _RENAMED:
         module_name, new_name = _RENAMED[name]
         return getattr(importlib.import_module(module_name), new_name)

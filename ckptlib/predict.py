@@ -40,7 +40,8 @@ class _NoGuess:
 
 
 NO_GUESS = _NoGuess()
-"""The value of a guess not made yet: ``guess_peak = NO_GUESS``. No measurement is ever equal to it."""
+"""The value of a guess not made yet: ``guess_peak = NO_GUESS``. No measurement is ever equal
+to it."""
 
 
 def _not_guessed(guess: Any, measured: Any) -> bool:
@@ -67,12 +68,15 @@ class Verdict:
 
     def __repr__(self) -> str:
         if not self.attempted:
-            return f"No guess yet for {self.what}: set it in the cell above, run that cell, then this one."
+            return (f"No guess yet for {self.what}: set it in the cell above, run that cell, "
+                    "then this one.")
         unit = f" {self.unit}" if self.unit else ""
         if self.relative_error is None:
             head = f"Your guess for {self.what}: {self.guess!r}. Measured: {self.measured!r}."
-            return head + (" Right." if self.right else " Not this time: read the measurement, then the text below.")
-        head = f"Your guess for {self.what}: {_number(self.guess)}{unit}. Measured: {_number(self.measured)}{unit}."
+            return head + (" Right." if self.right
+                           else " Not this time: read the measurement, then the text below.")
+        head = (f"Your guess for {self.what}: {_number(self.guess)}{unit}. "
+                f"Measured: {_number(self.measured)}{unit}.")
         if self.guess == self.measured:
             return head + " Exactly right."
         error = self.guess - self.measured
@@ -107,16 +111,20 @@ def check_prediction(guess: Any, measured: Any, *, what: str, unit: str = "",
         tolerance: for numbers, the relative error still counted as right (0.1 = within 10%).
     """
     if not isinstance(what, str) or not what:
-        raise TypeError(f"check_prediction: what must be a non-empty string naming the quantity, got {what!r}")
+        raise TypeError("check_prediction: what must be a non-empty string naming the quantity, "
+                        f"got {what!r}")
     if not isinstance(unit, str):
         raise TypeError(f"check_prediction: unit must be a string such as 'B', got {unit!r}")
     if not _is_number(tolerance) or not 0 <= tolerance < 1 or math.isnan(tolerance):
-        raise ValueError(f"check_prediction: tolerance must be a number in [0, 1), got {tolerance!r}")
+        raise ValueError(
+            f"check_prediction: tolerance must be a number in [0, 1), got {tolerance!r}")
     if measured is NO_GUESS:
-        raise TypeError(f"check_prediction: measured is NO_GUESS for {what!r}; pass what the cell measured")
+        raise TypeError(f"check_prediction: measured is NO_GUESS for {what!r}; "
+                        "pass what the cell measured")
     if _not_guessed(guess, measured):
         return Verdict(guess, measured, what, unit, False, None)
     if _is_number(guess) and _is_number(measured):
-        relative = (guess - measured) / abs(measured) if measured else (0.0 if guess == measured else math.inf)
+        relative = ((guess - measured) / abs(measured) if measured
+                    else (0.0 if guess == measured else math.inf))
         return Verdict(guess, measured, what, unit, abs(relative) <= tolerance, relative)
     return Verdict(guess, measured, what, unit, guess == measured, None)

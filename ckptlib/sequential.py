@@ -70,19 +70,23 @@ def checkpoint_sequential(
     >>> chain(x).sum().backward()
     >>> torch.equal(checkpointed, x.grad)
     True
-    >>> checkpoint_sequential(chain, 7, x)
+    >>> checkpoint_sequential(chain, 7, x)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: checkpoint_sequential: segments=7 must be between 1 and the number of modules (6); with k segments, the first k-1 are checkpointed.
+    ValueError: checkpoint_sequential: segments=7 must be between 1 and the number of modules (6);
+    with k segments, the first k-1 are checkpointed.
     """
     layers = _as_layers(modules)
     if not layers:
-        raise ValueError("checkpoint_sequential: modules is empty; pass at least one module (an empty chain "
-                         "has nothing to run or checkpoint: use the input as it is).")
+        raise ValueError("checkpoint_sequential: modules is empty; pass at least one module "
+                         "(an empty chain has nothing to run or checkpoint: use the input as it "
+                         "is).")
     plan = _as_plan(segments_or_plan, len(layers))
     flag(preserve_rng_state, "preserve_rng_state", where="checkpoint_sequential")
-    check_not_reentrant("checkpoint_sequential", use_reentrant, "torch.utils.checkpoint.checkpoint_sequential")
-    return _run(plan.body, layers, input, _checked_kwargs(layer_kwargs, "checkpoint_sequential"), preserve_rng_state)
+    check_not_reentrant("checkpoint_sequential", use_reentrant,
+                        "torch.utils.checkpoint.checkpoint_sequential")
+    return _run(plan.body, layers, input, _checked_kwargs(layer_kwargs, "checkpoint_sequential"),
+                preserve_rng_state)
 
 
 Layers = Union[list[Callable[..., Any]], dict[int, Callable[..., Any]]]   # by index in the chain
@@ -92,7 +96,8 @@ def _run(steps: tuple[Step, ...], layers: Layers, x: Any, kwargs: dict[str, Any]
          preserve_rng_state: bool) -> Any:
     for step in steps:
         if isinstance(step, Segment):
-            # The keyword arguments go through checkpoint as an input, so a tensor among them is kept.
+            # The keyword arguments go through checkpoint as an input, so a tensor among them is
+            # kept.
             inputs = (x, kwargs) if kwargs else (x,)
             x = checkpoint(_segment_function(step, layers, preserve_rng_state), *inputs,
                            preserve_rng_state=preserve_rng_state)
@@ -101,7 +106,8 @@ def _run(steps: tuple[Step, ...], layers: Layers, x: Any, kwargs: dict[str, Any]
     return x
 
 
-def _segment_function(segment: Segment, layers: Layers, preserve_rng_state: bool) -> Callable[..., Any]:
+def _segment_function(segment: Segment, layers: Layers,
+                      preserve_rng_state: bool) -> Callable[..., Any]:
     # The function holds only the segment's own layers: the checkpoint's guards watch the modules
     # its function reaches, and a BatchNorm in a later segment is none of this one's business.
     own_layers = {index: layers[index] for index in range(segment.start, segment.stop)}
@@ -119,14 +125,15 @@ def _as_layers(modules: Modules) -> list[Callable[[Any], Any]]:
         layers = list(modules)
     else:
         raise TypeError(
-            f"checkpoint_sequential: modules must be an nn.Sequential, an nn.ModuleList or a list of "
-            f"modules, got {type(modules).__name__}. To checkpoint one module, call "
+            "checkpoint_sequential: modules must be an nn.Sequential, an nn.ModuleList or a "
+            f"list of modules, got {type(modules).__name__}. To checkpoint one module, call "
             "ckptlib.checkpoint(module, x); to split a model, pass its layers as a list."
         )
     for position, layer in enumerate(layers):
         if not callable(layer):
-            raise TypeError(f"checkpoint_sequential: modules[{position}] is not a module or function "
-                            f"(got {type(layer).__name__}); every item must be callable on the previous output.")
+            raise TypeError(f"checkpoint_sequential: modules[{position}] is not a module or "
+                            f"function (got {type(layer).__name__}); every item must be callable "
+                            "on the previous output.")
     return layers
 
 
@@ -134,27 +141,31 @@ def _as_plan(segments_or_plan: int | Plan, n: int) -> Plan:
     if isinstance(segments_or_plan, Plan):
         if segments_or_plan.n != n:
             raise ValueError(f"checkpoint_sequential: the plan {segments_or_plan.name} is for "
-                             f"{segments_or_plan.n} layers, but there are {n} modules; build the plan "
-                             f"for n={n}.")
+                             f"{segments_or_plan.n} layers, but there are {n} modules; "
+                             f"build the plan for n={n}.")
         return segments_or_plan
     # A NumPy integer counts as an int (as torch's checkpoint_sequential takes it); a bool does not.
     if isinstance(segments_or_plan, bool) or not isinstance(segments_or_plan, numbers.Integral):
-        raise ValueError(f"checkpoint_sequential: segments must be an int (the number of segments) or a "
-                         f"ckptlib.schedules.Plan, got {segments_or_plan!r} "
+        raise ValueError("checkpoint_sequential: segments must be an int (the number of "
+                         "segments) or a ckptlib.schedules.Plan, "
+                         f"got {segments_or_plan!r} "
                          f"({type(segments_or_plan).__name__}).")
     segments = int(segments_or_plan)
     if not 1 <= segments <= n:
         raise ValueError(f"checkpoint_sequential: segments={segments} must be between 1 and the "
-                         f"number of modules ({n}); with k segments, the first k-1 are checkpointed.")
+                         f"number of modules ({n}); with k segments, the first k-1 are "
+                         "checkpointed.")
     return uniform(n, segments)
 
 
 def _checked_kwargs(layer_kwargs: Any, where: str) -> dict[str, Any]:
     if layer_kwargs is None:
         return {}
-    if not isinstance(layer_kwargs, dict) or not all(isinstance(name, str) for name in layer_kwargs):
-        raise TypeError(f"{where}: layer_kwargs must be a dict of keyword arguments for every layer, e.g. "
-                        f"{{'attention_mask': mask}}, or None; got {type(layer_kwargs).__name__}.")
+    if not isinstance(layer_kwargs, dict) or not all(
+            isinstance(name, str) for name in layer_kwargs):
+        raise TypeError(f"{where}: layer_kwargs must be a dict of keyword arguments for every "
+                        f"layer, e.g. {{'attention_mask': mask}}, or None; "
+                        f"got {type(layer_kwargs).__name__}.")
     return layer_kwargs
 
 
@@ -229,7 +240,8 @@ def _fresh_input(value: Any) -> Any:
 
 
 def _storage_bytes(value: Any) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _tensors(value)}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in _tensors(value)}
     return sum(storages.values())
 
 

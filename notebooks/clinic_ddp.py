@@ -57,12 +57,15 @@ def source_of(fn: Callable | str) -> str:
 
 def _compiled(source: str) -> Callable:
     """The one function the source defines, with the names a variant may use."""
-    given = {"torch": torch, "nn": nn, "F": F, "ckptlib": ckptlib, "torch_checkpoint": torch_checkpoint}
+    given = {"torch": torch, "nn": nn, "F": F, "ckptlib": ckptlib,
+             "torch_checkpoint": torch_checkpoint}
     namespace = dict(given)
     exec(compile(source, "<variant>", "exec"), namespace)
-    defined = [value for key, value in namespace.items() if key not in given and inspect.isfunction(value)]
+    defined = [value for key, value in namespace.items()
+               if key not in given and inspect.isfunction(value)]
     if len(defined) != 1:
-        raise ValueError(f"a variant's source must define one function, it defines {len(defined)}:\n{source}")
+        raise ValueError("a variant's source must define one function, "
+                         f"it defines {len(defined)}:\n{source}")
     return defined[0]
 
 
@@ -75,13 +78,16 @@ def _free_port() -> int:
 def _worker(rank: int, port: int, variants: dict[str, str], out_dir: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     results: dict[str, object] = {}
     try:
-        for name, source in variants.items():   # put a failing variant last: its ranks may be out of step
+        # put a failing variant last: its ranks may be out of step
+        for name, source in variants.items():
             try:
-                model = nn.parallel.DistributedDataParallel(DDPNet(_compiled(source)), find_unused_parameters=True)
+                model = nn.parallel.DistributedDataParallel(DDPNet(_compiled(source)),
+                                                            find_unused_parameters=True)
                 torch.manual_seed(rank)   # each rank its own batch
                 model(torch.randn(4, 8)).sum().backward()
                 results[name] = [p.grad.clone() for p in model.parameters()]
@@ -108,16 +114,18 @@ def _quiet_ranks():
 
 
 def run_ddp(variants: dict[str, Callable | str], timeout_s: float = 120) -> list[dict[str, object]]:
-    """Run each variant in 2 gloo ranks; per rank, {name: parameter gradients, or the error's first sentence}."""
+    """Run each variant in 2 gloo ranks; per rank, {name: parameter gradients, or the error's first
+    sentence}."""
     sources = {name: source_of(fn) for name, fn in variants.items()}
     with tempfile.TemporaryDirectory() as out_dir, _quiet_ranks():
-        ranks = mp.start_processes(_worker, args=(_free_port(), sources, out_dir), nprocs=WORLD_SIZE,
-                                   join=False, start_method="spawn")
+        ranks = mp.start_processes(_worker, args=(_free_port(), sources, out_dir),
+                                   nprocs=WORLD_SIZE, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not ranks.join(timeout=1):
             if time.monotonic() > deadline:
                 for process in ranks.processes:
                     if process.is_alive():
                         process.terminate()
-                raise TimeoutError(f"the {WORLD_SIZE} ranks did not finish within {timeout_s:.0f} s; terminated them")
+                raise TimeoutError(f"the {WORLD_SIZE} ranks did not finish within "
+                                   f"{timeout_s:.0f} s; terminated them")
         return [torch.load(os.path.join(out_dir, f"rank{rank}.pt")) for rank in range(WORLD_SIZE)]

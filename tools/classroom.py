@@ -1,8 +1,11 @@
 """Build the course for a classroom: offline reveal.js slides and a static site.
 
-    python tools/classroom.py slides [OUT]   # OUT (build/slides): one reveal.js deck per notebook
-    python tools/classroom.py site [OUT]     # OUT (build/site): README, notebooks, solutions, guide, figures
-    python tools/classroom.py check OUT      # every link or asset in OUT that would not load offline
+    python tools/classroom.py slides [OUT]
+        # OUT (build/slides): one reveal.js deck per notebook
+    python tools/classroom.py site [OUT]
+        # OUT (build/site): README, notebooks, solutions, guide, figures
+    python tools/classroom.py check OUT
+        # every link or asset in OUT that would not load offline
 
 Everything opens from disk (file://) with no network. nbconvert's templates load reveal.js,
 require.js, MathJax, jQuery and the Jupyter widgets HTML manager from CDNs; here they load
@@ -58,9 +61,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ROOT / "tools"
 NODE_MODULES = TOOLS / "node_modules"
 STATIC = "_static"
-COURSE_STATIC = TOOLS / "classroom_static"   # our own slides.js and slides.css, copied to _static/course
+# our own slides.js and slides.css, copied to _static/course
+COURSE_STATIC = TOOLS / "classroom_static"
 SLIDE_WIDTH, SLIDE_HEIGHT = 1280, 720          # the reveal.js canvas: 16:9, what projectors show
-OUTPUTS_ONLY = "course-outputs-only"           # a cell tag: a deck shows the cell's outputs, not its code
+# a cell tag: a deck shows the cell's outputs, not its code
+OUTPUTS_ONLY = "course-outputs-only"
 
 # What the pages load, as paths inside node_modules; copied to OUT/_static/<same path>.
 VENDORED = (
@@ -78,7 +83,8 @@ NOT_LOADED = ("*.map", "*.esm.js", "embed.js", "libembed-amd.js")
 # Blocks both templates replace.
 # - Mermaid is imported from a CDN as an ES module, and no course notebook draws a diagram.
 # - The widgets bundle (embed-amd.js) sets webpack's public path, where it finds its fonts, from
-#   the require.js URLs of the modules it defines, so require.js must map those names to its folder.
+#   the require.js URLs of the modules it defines, so require.js must map those names to its
+#   folder.
 # - Code input skips nbconvert's bleach pass (a third of the build time): it sanitises Pygments'
 #   own escaped rendering of our own notebooks, so it changes nothing here.
 COMMON_BLOCKS = """
@@ -88,7 +94,8 @@ COMMON_BLOCKS = """
 <script>
 require.config({paths: {
   "@jupyter-widgets": "{{ resources.static_url }}/@jupyter-widgets/html-manager/dist",
-  "@jupyter-widgets/html-manager/dist": "{{ resources.static_url }}/@jupyter-widgets/html-manager/dist"
+  "@jupyter-widgets/html-manager/dist": \
+"{{ resources.static_url }}/@jupyter-widgets/html-manager/dist"
 }});
 </script>
 {%- endblock html_head_js_requirejs -%}
@@ -110,7 +117,8 @@ SLIDES_TEMPLATE = "{%- extends 'index.html.j2' -%}" + COMMON_BLOCKS + """
 <script src="{{ resources.static_url }}/course/slides.js"></script>
 <script>
 require({waitSeconds: 15},
-  ["{{ resources.reveal.url_prefix }}/dist/reveal.js", "{{ resources.reveal.url_prefix }}/plugin/notes/notes.js"],
+  ["{{ resources.reveal.url_prefix }}/dist/reveal.js", \
+"{{ resources.reveal.url_prefix }}/plugin/notes/notes.js"],
   function (Reveal, RevealNotes) {
     courseSlides.start(Reveal, {
       controls: true, progress: true, history: true, plugins: [RevealNotes],
@@ -125,7 +133,8 @@ require({waitSeconds: 15},
 # The site's pages get their table of contents and previous / next links once all are rendered.
 TOC_MARK, PAGER_MARK = "<!-- course-toc -->", "<!-- course-pager -->"
 SITE_TEMPLATE = "{%- extends 'index.html.j2' -%}" + COMMON_BLOCKS + """
-{%- block html_head_css -%}<style type="text/css">{{ resources.site_css }}</style>{%- endblock html_head_css -%}
+{%- block html_head_css -%}<style type="text/css">{{ resources.site_css }}</style>\
+{%- endblock html_head_css -%}
 {%- block body_header -%}{{ super() }}
 <!-- course-toc -->
 {%- endblock body_header -%}
@@ -144,15 +153,18 @@ SITE_CSS = """
                 font-family: var(--jp-ui-font-family); }
 @media (min-width: 1200px) {
   .course-toc { position: fixed; top: 0; left: 0; bottom: 0; width: 300px; overflow-y: auto;
-                padding: 16px; box-sizing: border-box; border-right: 1px solid var(--jp-border-color2);
+                padding: 16px; box-sizing: border-box; \
+border-right: 1px solid var(--jp-border-color2);
                 background: var(--jp-layout-color1); }
   body.jp-Notebook { padding-left: 320px; }
 }
 @media (max-width: 1199px) { .course-toc ul ul { display: none; } }
 """
 
-Pages = dict[PurePosixPath, PurePosixPath]  # repository path of a document -> its page, relative to OUT
-Headings = dict[PurePosixPath, list[tuple[int, str, str]]]  # document -> its (level, id, text) headings
+# repository path of a document -> its page, relative to OUT
+Pages = dict[PurePosixPath, PurePosixPath]
+# document -> its (level, id, text) headings
+Headings = dict[PurePosixPath, list[tuple[int, str, str]]]
 
 
 def notebooks() -> list[Path]:
@@ -177,19 +189,22 @@ def install_assets() -> Path:
     npm = shutil.which("npm")
     if npm is None:
         raise AssetsUnavailable(
-            "npm not found: the offline slides and site copy reveal.js, MathJax and require.js from "
-            "the npm packages pinned in tools/package-lock.json. Install Node.js 18 or newer "
-            "(apt-get install nodejs npm, brew install node, or conda install nodejs) and run again.")
+            "npm not found: the offline slides and site copy reveal.js, MathJax and require.js "
+            "from the npm packages pinned in tools/package-lock.json. Install Node.js 18 or newer "
+            "(apt-get install nodejs npm, brew install node, or conda install nodejs) and run "
+            "again.")
     # --ignore-scripts: the packages are only files to copy; none needs an install step.
     command = [npm, "ci", "--prefix", str(TOOLS), "--ignore-scripts", "--no-audit", "--no-fund"]
     if subprocess.run(command).returncode != 0:
-        raise AssetsUnavailable(f"`npm {' '.join(command[1:])}` failed (its output is above): it needs the "
-                                "npm registry once, to fill tools/node_modules; run it again when online.")
+        raise AssetsUnavailable(f"`npm {' '.join(command[1:])}` failed (its output is above): "
+                                "it needs the npm registry once, to fill tools/node_modules; "
+                                "run it again when online.")
     return NODE_MODULES
 
 
 def copy_assets(out: Path, *, slides: bool) -> None:
-    """Copy the vendored scripts, styles and fonts to out/_static (reveal.js and ours only for slides)."""
+    """Copy the vendored scripts, styles and fonts to out/_static (reveal.js and ours only for
+    slides)."""
     if slides:
         shutil.copytree(COURSE_STATIC, out / STATIC / "course", dirs_exist_ok=True)
     modules = install_assets()
@@ -198,7 +213,8 @@ def copy_assets(out: Path, *, slides: bool) -> None:
             continue
         source, target = modules / relative, out / STATIC / relative
         if source.is_dir():
-            shutil.copytree(source, target, ignore=shutil.ignore_patterns(*NOT_LOADED), dirs_exist_ok=True)
+            shutil.copytree(source, target, ignore=shutil.ignore_patterns(*NOT_LOADED),
+                            dirs_exist_ok=True)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
@@ -220,10 +236,13 @@ def asset_config(prefix: str) -> Config:
     config.HTMLExporter.jquery_url = f"{prefix}/jquery/dist/jquery.min.js"
     # MathJax.js, not the CDN's latest.js: latest.js asks the network for a newer version first.
     config.HTMLExporter.mathjax_url = f"{prefix}/mathjax/MathJax.js?config=TeX-AMS_CHTML-full,Safe"
-    config.HTMLExporter.widget_renderer_url = f"{prefix}/@jupyter-widgets/html-manager/dist/embed-amd.js"
+    config.HTMLExporter.widget_renderer_url = (
+        f"{prefix}/@jupyter-widgets/html-manager/dist/embed-amd.js")
     config.SlidesExporter.reveal_url_prefix = f"{prefix}/reveal.js"
-    config.SlidesExporter.reveal_theme = "white"  # its fonts ship with reveal.js; "simple" asks Google Fonts
-    config.SlidesExporter.reveal_width, config.SlidesExporter.reveal_height = str(SLIDE_WIDTH), str(SLIDE_HEIGHT)
+    # its fonts ship with reveal.js; "simple" asks Google Fonts
+    config.SlidesExporter.reveal_theme = "white"
+    config.SlidesExporter.reveal_width, config.SlidesExporter.reveal_height = (
+        str(SLIDE_WIDTH), str(SLIDE_HEIGHT))
     config.SlidesExporter.reveal_number = "c/t"  # "12/40", so the room can say which slide
     config.TagRemovePreprocessor.enabled = True
     config.TagRemovePreprocessor.remove_input_tags = {OUTPUTS_ONLY}   # see slides_apart
@@ -260,11 +279,13 @@ def slides_page(notebook: Path) -> PurePosixPath:
     >>> slides_page(ROOT / "notebooks" / "solutions" / "03_x_solutions.ipynb")
     PurePosixPath('solutions/03_x_solutions.slides.html')
     """
-    return PurePosixPath(notebook.relative_to(ROOT / "notebooks").with_suffix(".slides.html").as_posix())
+    return PurePosixPath(
+        notebook.relative_to(ROOT / "notebooks").with_suffix(".slides.html").as_posix())
 
 
 def build_slides(out: Path) -> list[Path]:
-    """Write a reveal.js deck for every notebook and solutions notebook under out/; return the decks.
+    """Write a reveal.js deck for every notebook and solutions notebook under out/; return the
+    decks.
 
     Cells present as their `slideshow.slide_type` says (slide, subslide, fragment, skip, notes);
     in a deck, S opens the speaker view with the notes cells. slides.js then makes each slide
@@ -281,7 +302,8 @@ def build_slides(out: Path) -> list[Path]:
         nb = slides_apart(static_widgets(_titled(nbformat.read(source, as_version=4)), document))
         titles[document] = nb.metadata.get("title", source.stem)
         text = _render(exporter, nb, source.stem, pages[document])
-        decks.append(_write(out, pages[document], rewrite_links(text, document, pages, linked_files)))
+        decks.append(_write(out, pages[document],
+                            rewrite_links(text, document, pages, linked_files)))
     _copy_linked(out, linked_files)
     _write(out, PurePosixPath("index.html"), slides_index(pages, titles))
     return decks
@@ -294,7 +316,8 @@ def slides_index(pages: Pages, titles: dict[PurePosixPath, str]) -> str:
     ...          PurePosixPath("notebooks/solutions/00_a_solutions.ipynb"):
     ...              PurePosixPath("solutions/00_a_solutions.slides.html")}
     >>> page = slides_index(pages, {PurePosixPath("notebooks/00_a.ipynb"): "00 · Welcome"})
-    >>> '<a href="00_a.slides.html">00 · Welcome</a>' in page, 'href="solutions/00_a_solutions.slides.html"' in page
+    >>> ('<a href="00_a.slides.html">00 · Welcome</a>' in page,
+    ...  'href="solutions/00_a_solutions.slides.html"' in page)
     (True, True)
     """
     course = sorted(document for document in pages if document.parent.name != "solutions")
@@ -314,12 +337,14 @@ def slides_index(pages: Pages, titles: dict[PurePosixPath, str]) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(heading)}</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <style>
-body {{ font-family: system-ui, sans-serif; max-width: 46em; margin: 2em auto; padding: 0 1em; line-height: 1.5; }}
+body {{ font-family: system-ui, sans-serif; max-width: 46em; margin: 2em auto; padding: 0 1em; \
+line-height: 1.5; }}
 ul {{ list-style: none; padding-left: 0; }} li {{ margin: 0.5em 0; font-size: 1.1em; }}
 .solutions {{ font-size: 0.85em; color: #555; }} .keys {{ color: #444; }}
 </style></head>
 <body><h1>{html.escape(heading)}</h1>
-<p class="keys">Space or &rarr;: next, through every slide (a slide too long for the screen continues on
+<p class="keys">Space or &rarr;: next, through every slide (a slide too long for the screen \
+continues on
 the next one). S: speaker view with notes. F: full screen. Esc: every slide at once.</p>
 <ul>
 {chr(10).join(items)}
@@ -345,7 +370,8 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 # What @jupyter-widgets/html-manager renders by itself; any other widget library it would fetch
 # from a CDN, which an offline page cannot reach.
-STATIC_WIDGET_MODULES = {"@jupyter-widgets/base", "@jupyter-widgets/controls", "@jupyter-widgets/output"}
+STATIC_WIDGET_MODULES = {"@jupyter-widgets/base", "@jupyter-widgets/controls",
+                         "@jupyter-widgets/output"}
 _NOTE_STYLE = ("margin: 0.3em 0; padding: 0.35em 0.7em; border-left: 4px solid #e0a800; "
                "background: #fff8e1; color: #5d4400; font-size: 0.85em; font-family: sans-serif;")
 
@@ -373,9 +399,11 @@ def _note(text: str) -> nbformat.NotebookNode:
 
 
 def _picture_of(output: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """A widget output as its picture alone (and its text), so no page draws the widget from state."""
+    """A widget output as its picture alone (and its text), so no page draws the widget from
+    state."""
     data = {key: output.data[key] for key in ("image/png", "text/plain") if key in output.data}
-    return nbformat.v4.new_output("display_data", data=data, metadata=dict(output.get("metadata", {})))
+    return nbformat.v4.new_output("display_data", data=data,
+                                  metadata=dict(output.get("metadata", {})))
 
 
 def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbformat.NotebookNode:
@@ -389,8 +417,9 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
     back, its text repr): it becomes a note naming it.
     The saved state keeps exactly the models the shown widgets need.
 
-    >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output(
-    ...     "display_data", data={WIDGET_VIEW: {"model_id": "a1"}, "text/plain": "Slider(value=3)"})])])
+    >>> output = nbformat.v4.new_output(
+    ...     "display_data", data={WIDGET_VIEW: {"model_id": "a1"}, "text/plain": "Slider(value=3)"})
+    >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[output])])
     >>> nb = static_widgets(nb, PurePosixPath("notebooks/00_x.ipynb"))
     >>> print(nb.cells[0].outputs[0].data["text/plain"])  # doctest: +NORMALIZE_WHITESPACE
     Interactive widget Slider(value=3): its state was not saved with this page.
@@ -399,7 +428,8 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
     False
     """
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
-    where = f"Run it in JupyterLab: <code>make lab</code>, then open {html.escape(document.as_posix())}."
+    where = ("Run it in JupyterLab: <code>make lab</code>, "
+             f"then open {html.escape(document.as_posix())}.")
     shown: set[str] = set()
     for cell in nb.cells:
         outputs = []
@@ -410,24 +440,28 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
                 continue
             picture = output.get("data", {}).get("image/png")
             if picture is not None:
-                outputs += [_note(f"Picture of an interactive widget as its cell showed it: its controls work "
-                                  f"in a live notebook only. {where}"), _picture_of(output)]
+                outputs += [_note("Picture of an interactive widget as its cell showed it: its "
+                                  f"controls work in a live notebook only. {where}"),
+                            _picture_of(output)]
                 continue
             models = _widget_models(view.get("model_id", ""), state)
             if models is None:
                 name = str(output.data.get("text/plain", "")).strip().splitlines()[0:1]
                 label = f" {html.escape(name[0])}" if name else ""
-                outputs.append(_note(f"Interactive widget{label}: its state was not saved with this page. {where}"))
+                outputs.append(_note(f"Interactive widget{label}: its state was not saved with "
+                                     f"this page. {where}"))
             else:
                 shown |= models
-                outputs += [_note("Static snapshot of an interactive widget, in the state it was saved with (later "
-                                  f"cells may have changed it since it was shown): its controls do nothing here. {where}"),
+                outputs += [_note("Static snapshot of an interactive widget, in the state it was "
+                                  "saved with (later cells may have changed it since it was "
+                                  f"shown): its controls do nothing here. {where}"),
                             output]
         if "outputs" in cell:
             cell.outputs = outputs
     if shown:
         widgets = nb.metadata.widgets[WIDGET_STATE]
-        widgets["state"] = {model_id: model for model_id, model in state.items() if model_id in shown}
+        widgets["state"] = {model_id: model for model_id, model in state.items()
+                            if model_id in shown}
     else:
         nb.metadata.pop("widgets", None)
     return nb
@@ -442,16 +476,19 @@ def slides_apart(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
     >>> note = _note("Static snapshot of an interactive widget")
     >>> nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("explorer", outputs=[note])])
-    >>> [(cell.source, len(cell.outputs), cell.metadata.get("tags")) for cell in slides_apart(nb).cells]
+    >>> [(cell.source, len(cell.outputs), cell.metadata.get("tags"))
+    ...  for cell in slides_apart(nb).cells]
     [('explorer', 0, None), ('', 1, ['course-outputs-only'])]
     """
     cells = []
     for cell in nb.cells:
         cells.append(cell)
-        notes = [o for o in cell.get("outputs", []) if "course-widget-note" in str(o.get("data", {}).get("text/html", ""))]
+        notes = [o for o in cell.get("outputs", [])
+                 if "course-widget-note" in str(o.get("data", {}).get("text/html", ""))]
         if not notes:
             continue
-        apart = nbformat.v4.new_code_cell("", outputs=cell.outputs, execution_count=cell.execution_count)
+        apart = nbformat.v4.new_code_cell("", outputs=cell.outputs,
+                                          execution_count=cell.execution_count)
         apart.metadata = {"tags": [OUTPUTS_ONLY], "slideshow": {"slide_type": "-"}}
         cell.outputs = []
         cells.append(apart)
@@ -460,13 +497,15 @@ def slides_apart(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 
 
 def _markdown_page(text: str) -> nbformat.NotebookNode:
-    """A markdown document as a one-cell notebook, so it renders exactly like the notebooks' prose."""
+    """A markdown document as a one-cell notebook, so it renders exactly like the notebooks'
+    prose."""
     return _titled(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(text)]))
 
 
 def _figures_markdown(figures: list[Path]) -> str:
     parts = ["# Figures", "",
-             "Every figure is drawn from ckptlib code by `make figures` (`python -m ckptlib.bench --figures figures`)."]
+             "Every figure is drawn from ckptlib code by `make figures` "
+             "(`python -m ckptlib.bench --figures figures`)."]
     for name in sorted({figure.stem for figure in figures}):
         formats = sorted(figure.suffix[1:] for figure in figures if figure.stem == name)
         shown = f"{name}.svg" if "svg" in formats else f"{name}.{formats[0]}"
@@ -525,7 +564,8 @@ _LINK = re.compile(r'(\b(?:href|src)=")([^"]*)(")')
 
 
 def github_anchor(heading: str) -> str:
-    """The anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces as hyphens.
+    """The anchor GitHub gives a markdown heading: lower case, punctuation dropped, spaces as
+    hyphens.
 
     nbconvert keeps the heading's case and punctuation instead, so links written for GitHub
     are translated (see rewrite_links).
@@ -536,9 +576,10 @@ def github_anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-def rewrite_links(text: str, document: PurePosixPath, pages: Pages, linked_files: set[PurePosixPath],
-                  headings: Headings | None = None) -> str:
-    """Point the relative links in a page rendered from `document` at the pages built from their targets.
+def rewrite_links(text: str, document: PurePosixPath, pages: Pages,
+                  linked_files: set[PurePosixPath], headings: Headings | None = None) -> str:
+    """Point the relative links in a page rendered from `document` at the pages built from their
+    targets.
 
     A link to another repository file is kept, pointing at out/<its repository path>, and the
     file is added to linked_files for the caller to copy there. With the pages' headings, a
@@ -546,11 +587,13 @@ def rewrite_links(text: str, document: PurePosixPath, pages: Pages, linked_files
 
     >>> pages = {PurePosixPath("README.md"): PurePosixPath("index.html"),
     ...          PurePosixPath("notebooks/03_x.ipynb"): PurePosixPath("notebooks/03_x.html")}
-    >>> headings = {PurePosixPath("notebooks/03_x.ipynb"): [(2, "Step-1:-holders", "Step 1: holders")]}
+    >>> headings = {PurePosixPath("notebooks/03_x.ipynb"):
+    ...                 [(2, "Step-1:-holders", "Step 1: holders")]}
     >>> rewrite_links('<a href="03_x.ipynb#step-1-holders">', PurePosixPath("notebooks/03_x.ipynb"),
     ...               pages, set(), headings)
     '<a href="03_x.html#Step-1:-holders">'
-    >>> rewrite_links('<a href="../README.md">', PurePosixPath("notebooks/03_x.ipynb"), pages, set())
+    >>> rewrite_links('<a href="../README.md">', PurePosixPath("notebooks/03_x.ipynb"),
+    ...               pages, set())
     '<a href="../index.html">'
     """
     here = pages[document].parent.as_posix() or "."
@@ -564,7 +607,8 @@ def rewrite_links(text: str, document: PurePosixPath, pages: Pages, linked_files
             return match[0]
         target = document
         if parts.path:
-            target = PurePosixPath(posixpath.normpath(posixpath.join(document.parent.as_posix(), unquote(parts.path))))
+            target = PurePosixPath(posixpath.normpath(
+                posixpath.join(document.parent.as_posix(), unquote(parts.path))))
         fragment = anchors.get(target, {}).get(parts.fragment, parts.fragment)
         if target in pages:
             new = posixpath.relpath(pages[target].as_posix(), here) if parts.path else ""
@@ -593,25 +637,31 @@ def _title_of(document: PurePosixPath, headings: Headings) -> str:
     return next((text for level, _, text in headings[document] if level == 1), document.stem)
 
 
-def _sections(document: PurePosixPath, headings: Headings, link: Callable[[PurePosixPath, str], str]) -> str:
+def _sections(document: PurePosixPath, headings: Headings,
+              link: Callable[[PurePosixPath, str], str]) -> str:
     """A list of links to a page's `## ` sections."""
     return "<ul>" + "".join(f'<li><a href="{link(document, anchor)}">{html.escape(text)}</a></li>'
-                            for level, anchor, text in headings[document] if level == 2 and anchor) + "</ul>"
+                            for level, anchor, text in headings[document]
+                            if level == 2 and anchor) + "</ul>"
 
 
 def _toc(current: PurePosixPath, pages: Pages, headings: Headings) -> str:
-    """The table of contents seen from `current`: every page; sections of this page (all, on the home page)."""
+    """The table of contents seen from `current`: every page; sections of this page (all, on the
+    home page)."""
     here = pages[current].parent.as_posix() or "."
 
     def link(document: PurePosixPath, anchor: str = "") -> str:
-        return html.escape(posixpath.relpath(pages[document].as_posix(), here) + (f"#{anchor}" if anchor else ""))
+        return html.escape(posixpath.relpath(pages[document].as_posix(), here)
+                           + (f"#{anchor}" if anchor else ""))
 
     home, *course = _course_pages(pages)
     lines = ['<nav class="course-toc" aria-label="Course contents">',
-             f'<p><a href="{link(home)}"><strong>{html.escape(_title_of(home, headings))}</strong></a></p>', "<ul>"]
+             f'<p><a href="{link(home)}"><strong>{html.escape(_title_of(home, headings))}'
+             '</strong></a></p>', "<ul>"]
     for notebook in course:
         css = ' class="current"' if notebook == current else ""
-        lines.append(f'<li{css}><a href="{link(notebook)}">{html.escape(_title_of(notebook, headings))}</a>')
+        lines.append(f'<li{css}><a href="{link(notebook)}">'
+                     f'{html.escape(_title_of(notebook, headings))}</a>')
         solution = notebook.parent / "solutions" / f"{notebook.stem}_solutions.ipynb"
         if solution in pages:
             css = "course-solutions current" if solution == current else "course-solutions"
@@ -622,7 +672,8 @@ def _toc(current: PurePosixPath, pages: Pages, headings: Headings) -> str:
     for extra in (PurePosixPath("docs/instructor.md"), PurePosixPath("figures/index.md")):
         if extra in pages:
             css = ' class="current"' if extra == current else ""
-            lines.append(f'<li{css}><a href="{link(extra)}">{html.escape(_title_of(extra, headings))}</a>')
+            lines.append(f'<li{css}><a href="{link(extra)}">'
+                         f'{html.escape(_title_of(extra, headings))}</a>')
             if extra == current:
                 lines.append(_sections(extra, headings, link))
             lines.append("</li>")
@@ -642,7 +693,8 @@ def _pager(current: PurePosixPath, pages: Pages, headings: Headings) -> str:
         return f'<a href="{href}">{label.format(html.escape(_title_of(document, headings)))}</a>'
 
     previous = link(sequence[index - 1], "&larr; {}") if index > 0 else "<span></span>"
-    following = link(sequence[index + 1], "{} &rarr;") if index + 1 < len(sequence) else "<span></span>"
+    following = (link(sequence[index + 1], "{} &rarr;") if index + 1 < len(sequence)
+                 else "<span></span>")
     return f'<nav class="course-pager">{previous}{following}</nav>'
 
 
@@ -650,7 +702,8 @@ def build_site(out: Path) -> list[Path]:
     """Render README, the notebooks (with their committed outputs), solutions, the instructor guide
     and the figures under out/ as linked, offline HTML; return the pages written."""
     copy_assets(out, slides=False)
-    documents = {PurePosixPath("README.md"): _markdown_page((ROOT / "README.md").read_text(encoding="utf-8"))}
+    documents = {PurePosixPath("README.md"):
+                 _markdown_page((ROOT / "README.md").read_text(encoding="utf-8"))}
     for source in notebooks() + solutions():
         document = _repository_path(source)
         documents[document] = static_widgets(_titled(nbformat.read(source, as_version=4)), document)
@@ -660,7 +713,8 @@ def build_site(out: Path) -> list[Path]:
     figures = sorted(f for f in (ROOT / "figures").glob("*") if f.suffix in (".svg", ".png"))
     if figures:
         documents[PurePosixPath("figures/index.md")] = _markdown_page(_figures_markdown(figures))
-    pages = {document: PurePosixPath("index.html") if document.name == "README.md" else document.with_suffix(".html")
+    pages = {document: PurePosixPath("index.html") if document.name == "README.md"
+             else document.with_suffix(".html")
              for document in documents}
 
     exporter = _exporters(HTMLExporter, SITE_TEMPLATE)
@@ -688,7 +742,8 @@ def check_site(out: Path) -> list[str]:
     A relative href/src must name an existing file (and an element id, when it has a #fragment);
     only <a href> may point at the network (a link to read online); nothing may load from it.
     """
-    parsed = {page: _parse(page.read_text(encoding="utf-8")) for page in sorted(out.rglob("*.html"))}
+    parsed = {page: _parse(page.read_text(encoding="utf-8"))
+              for page in sorted(out.rglob("*.html"))}
     problems = []
     for page, info in parsed.items():
         name = page.relative_to(out).as_posix()
@@ -701,7 +756,8 @@ def check_site(out: Path) -> list[str]:
                     problems.append(f"{name}: <{tag} {attribute}> loads {url} from the network")
                 continue
             target = (page.parent / unquote(parts.path)).resolve() if parts.path else page
-            # Browsers look the fragment up as written, then percent-decoded (nbconvert's ids keep escapes).
+            # Browsers look the fragment up as written, then percent-decoded (nbconvert's ids keep
+            # escapes).
             if not target.is_file():
                 problems.append(f"{name}: <{tag} {attribute}={url!r}> names a missing file")
             elif (parts.fragment and target in parsed
@@ -718,7 +774,8 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     command = argv[0]
-    out = Path(argv[1]) if len(argv) == 2 else ROOT / "build" / ("slides" if command == "slides" else "site")
+    out = (Path(argv[1]) if len(argv) == 2
+           else ROOT / "build" / ("slides" if command == "slides" else "site"))
     try:
         if command in ("slides", "site"):
             shutil.rmtree(out, ignore_errors=True)

@@ -50,11 +50,13 @@ def normalise(nb: nbformat.NotebookNode) -> None:
         cell.metadata.pop("nbgrader", None)
         if "exercise" in tags:
             exercise += 1
-            cell.metadata["nbgrader"] = {"grade": True, "solution": True, "locked": False, "points": 1,
-                                         "task": False, "schema_version": 3, "grade_id": f"exercise-{exercise}"}
+            cell.metadata["nbgrader"] = {"grade": True, "solution": True, "locked": False,
+                                         "points": 1, "task": False, "schema_version": 3,
+                                         "grade_id": f"exercise-{exercise}"}
         elif "self-check" in tags:
-            cell.metadata["nbgrader"] = {"grade": False, "solution": False, "locked": True, "task": False,
-                                         "schema_version": 3, "grade_id": f"exercise-{exercise}-check"}
+            cell.metadata["nbgrader"] = {"grade": False, "solution": False, "locked": True,
+                                         "task": False, "schema_version": 3,
+                                         "grade_id": f"exercise-{exercise}-check"}
     nb.metadata["kernelspec"] = KERNELSPEC
 
 
@@ -67,7 +69,8 @@ def build(src: Path, out: Path) -> None:
         text = "\n".join(lines).strip("\n")
         cell_id = f"{out.stem[:2]}-{len(cells):03d}"
         if kind == "markdown":
-            text = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#") for line in text.splitlines())
+            text = "\n".join(line[2:] if line.startswith("# ") else line.lstrip("#")
+                             for line in text.splitlines())
             cell = nbformat.v4.new_markdown_cell(text, id=cell_id)
         else:
             cell = nbformat.v4.new_code_cell(text, id=cell_id)
@@ -98,8 +101,10 @@ def export(notebook: Path, src: Path) -> None:
             opts.append(f"slide={slide}")
         if cell.metadata.get("tags"):
             opts.append("tags=" + ",".join(cell.metadata["tags"]))
-        head = "# %%" + (" [markdown]" if cell.cell_type == "markdown" else "") + ("".join(" " + o for o in opts))
-        body = cell.source if cell.cell_type == "code" else "\n".join("# " + l if l else "#" for l in cell.source.splitlines())
+        head = ("# %%" + (" [markdown]" if cell.cell_type == "markdown" else "")
+                + ("".join(" " + o for o in opts)))
+        body = (cell.source if cell.cell_type == "code"
+                else "\n".join("# " + line if line else "#" for line in cell.source.splitlines()))
         chunks.append(head + "\n" + body)
     src.write_text("\n\n".join(chunks) + "\n")
 

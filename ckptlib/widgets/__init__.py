@@ -1,4 +1,5 @@
-"""Widgets for JupyterLab, one module per widget: watch memory, step through backward, explore schedules.
+"""Widgets for JupyterLab, one module per widget: watch memory, step through backward, explore
+schedules.
 
 * :class:`MemoryDashboard` (``dashboard``): toggle checkpointing on a small Transformer
   and watch what one training step holds, op by op.

@@ -1,4 +1,5 @@
-"""Timing two settings so that noise cannot pass for a finding: interleaved runs, spreads, "within noise".
+"""Timing two settings so that noise cannot pass for a finding: interleaved runs, spreads,
+"within noise".
 
 A wall-clock time on a shared machine drifts: another process starts, the CPU clock changes.
 Comparing a setting timed now with a reference timed a minute ago compares two moments, not
@@ -22,7 +23,9 @@ from typing import Callable, Sequence
 __all__ = ["interleaved", "spread", "compare", "ratio_text", "times_text"]
 
 
-def interleaved(runs: dict[str, Callable[[], float]], rounds: int, *, warm_up: bool = True) -> dict[str, list[float]]:
+def interleaved(
+    runs: dict[str, Callable[[], float]], rounds: int, *, warm_up: bool = True
+) -> dict[str, list[float]]:
     """Seconds of ``rounds`` runs of each setting, taken in turns (the order flips every round).
 
     ``runs`` maps a name to a function that runs the setting once and returns its seconds. With
@@ -45,7 +48,9 @@ def spread(times: Sequence[float]) -> tuple[float, float]:
     return min(times), max(times)
 
 
-def compare(times: Sequence[float], reference: Sequence[float], *, does_more_work: bool = True) -> dict:
+def compare(
+    times: Sequence[float], reference: Sequence[float], *, does_more_work: bool = True
+) -> dict:
     """``times`` against ``reference``: the ratio of the medians, and whether it is within noise.
 
     Within noise: the two spreads overlap, or (``does_more_work``: a setting that runs every op
@@ -62,15 +67,18 @@ def times_text(times: Sequence[float]) -> str:
     """``'80 ms (75-90 ms, 3 runs)'``: the median and the spread, in milliseconds."""
     low, high = spread(times)
     digits = 0 if statistics.median(times) >= 0.01 else 2
-    return (f"{statistics.median(times) * 1e3:.{digits}f} ms ({low * 1e3:.{digits}f}-{high * 1e3:.{digits}f} ms, "
+    return (f"{statistics.median(times) * 1e3:.{digits}f} ms "
+            f"({low * 1e3:.{digits}f}-{high * 1e3:.{digits}f} ms, "
             f"{len(times)} runs)")
 
 
 def ratio_text(times: Sequence[float], reference: Sequence[float], reference_name: str) -> str:
     """``'1.32x the time of off'``, or the same followed by why it is within noise.
 
-    >>> ratio_text([0.010, 0.011, 0.012], [0.020, 0.021, 0.022], "off")
-    '0.52x the time of off: within noise (a setting that does more work cannot be faster; timing noise)'
+    >>> text = ratio_text([0.010, 0.011, 0.012], [0.020, 0.021, 0.022], "off")
+    >>> text == ("0.52x the time of off: within noise"
+    ...          " (a setting that does more work cannot be faster; timing noise)")
+    True
     >>> ratio_text([0.019, 0.021, 0.03], [0.020, 0.021, 0.022], "off")
     '1.00x the time of off: within noise (the spreads overlap)'
     """

@@ -45,7 +45,8 @@ def png_data_uri(png: bytes) -> str:
 
 
 class WidgetView:
-    """Mixin: ``self.widget`` is the whole view; ``_text()`` its one-line text for non-widget front ends."""
+    """Mixin: ``self.widget`` is the whole view; ``_text()`` its one-line text for non-widget
+    front ends."""
 
     widget: widgets.Widget
 
@@ -57,7 +58,10 @@ class WidgetView:
         def first_image(widget: widgets.Widget) -> bytes | None:
             if isinstance(widget, widgets.Image) and widget.value:
                 return bytes(widget.value)
-            return next((png for child in getattr(widget, "children", ()) if (png := first_image(child))), None)
+            return next(
+                (png for child in getattr(widget, "children", ()) if (png := first_image(child))),
+                None,
+            )
 
         return first_image(self.widget)
 

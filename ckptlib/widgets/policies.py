@@ -61,13 +61,16 @@ __all__ = ["PolicyExplorer"]
 Signature = tuple[Any, tuple[tuple[int, ...], ...]]   # (aten op overload, input shapes)
 # Inline, so that a page's own ``code`` style (a slide deck's larger type) does not apply.
 _MONOSPACE = "font-family:var(--jp-code-font-family, monospace); font-size:90%"
-TIMED_ROUNDS = 7        # "time all five": rounds of one step of each variant, after a warm-up of each
+# "time all five": rounds of one step of each variant, after a warm-up of each
+TIMED_ROUNDS = 7
 SELECTION = "your selection"
-FIGURE_INCHES, SCREEN_DPI, DRAW_SCALE, FONT_PT = (6.4, 2.8), 80, 2, 10   # drawn at 2x; 10 pt is 11 px on screen
+# drawn at 2x; 10 pt is 11 px on screen
+FIGURE_INCHES, SCREEN_DPI, DRAW_SCALE, FONT_PT = (6.4, 2.8), 80, 2, 10
 
 
 def signature(op: Any, args: tuple) -> Signature:
-    """What a row stands for: the op and the shapes of its positional tensor inputs (as ``OpCall``)."""
+    """What a row stands for: the op and the shapes of its positional tensor inputs (as
+    ``OpCall``)."""
     return op, tuple(tuple(t.shape) for t in _tensors(args))
 
 
@@ -83,10 +86,12 @@ class _OpRows(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         elapsed_s = time.perf_counter() - start
         outputs = _tensors(out)
-        inputs = {t.untyped_storage().data_ptr() for t in _tensors((args, tuple((kwargs or {}).values())))}
+        inputs = {t.untyped_storage().data_ptr()
+                  for t in _tensors((args, tuple((kwargs or {}).values())))}
         if not (func.is_view or func._schema.is_mutable or not outputs
                 or any(t.untyped_storage().data_ptr() in inputs for t in outputs)):
-            self.calls.append((signature(func, args), sum(t.numel() * t.element_size() for t in outputs),
+            self.calls.append((signature(func, args),
+                               sum(t.numel() * t.element_size() for t in outputs),
                                elapsed_s))
         return out
 
@@ -100,7 +105,8 @@ def _op_rows(block: torch.nn.Module, x: torch.Tensor, repeats: int = 3) -> list[
     rows: dict[Signature, dict[str, Any]] = {}
     for position, (call, nbytes, _) in enumerate(runs[0]):
         row = rows.setdefault(call, {"signature": call, "op": call[0].__name__.split(".")[0],
-                                     "input_shapes": call[1], "calls": 0, "output_bytes": 0, "time_s": 0.0})
+                                     "input_shapes": call[1], "calls": 0, "output_bytes": 0,
+                                     "time_s": 0.0})
         row["calls"] += 1
         row["output_bytes"] += nbytes
         row["time_s"] += statistics.median(run[position][2] for run in runs[1:])
@@ -130,12 +136,14 @@ class PolicyExplorer(WidgetView):
         references: the same numbers for ``"plain"``, ``"full checkpoint"``,
             ``"save_matmuls"`` and ``"cost policy"``.
         timing: empty until :meth:`time_all` (the "time all five" button); then variant name ->
-            the seconds of its :data:`TIMED_ROUNDS` steps, all five timed in turns. A tick clears it.
+            the seconds of its :data:`TIMED_ROUNDS` steps, all five timed in turns. A tick clears
+            it.
         timer: ``timer(name, step) -> seconds`` of one call of ``step`` (a forward+backward of
             the variant ``name``); a test replaces it with a clock it controls.
         tick_matmuls, tick_cost, clear, time_button: buttons.
 
-    >>> explorer = PolicyExplorer(TinyTransformer(depth=1, d_model=16, heads=2, seq=8, vocab=20), batch=2)
+    >>> model = TinyTransformer(depth=1, d_model=16, heads=2, seq=8, vocab=20)
+    >>> explorer = PolicyExplorer(model, batch=2)
     >>> explorer.references["full checkpoint"]["kept_bytes"], explorer.result["kept_bytes"]
     (0, 0)
     >>> softmax = next(i for i, row in enumerate(explorer.rows) if row["op"] == "_softmax")
@@ -149,8 +157,8 @@ class PolicyExplorer(WidgetView):
             model = TinyTransformer(depth=1, d_model=64, heads=4, seq=32, vocab=64)
         blocks = getattr(model, "blocks", None)
         if not isinstance(model, torch.nn.Module) or not blocks or not hasattr(blocks[0], "attn"):
-            raise TypeError(f"PolicyExplorer needs a TinyTransformer (its first block is explored), got "
-                            f"{type(model).__name__}.")
+            raise TypeError("PolicyExplorer needs a TinyTransformer (its first block is "
+                            f"explored), got {type(model).__name__}.")
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise ValueError(f"batch must be an integer >= 1, got {batch!r}.")
         self.block = blocks[0]
@@ -177,13 +185,16 @@ class PolicyExplorer(WidgetView):
         self.timer: Callable[[str, Callable[[], None]], float] = _time_one_step
         self._holding = False
 
-        self.checkboxes = [widgets.Checkbox(value=False, indent=False, layout=widgets.Layout(width="24px"))
+        self.checkboxes = [widgets.Checkbox(value=False, indent=False,
+                                            layout=widgets.Layout(width="24px"))
                            for _ in self.rows]
         for box in self.checkboxes:
             box.observe(lambda _change: self._changed(), names="value")
             box.add_class("ckptlib-policy-tick")
-        self.tick_matmuls = widgets.Button(description="tick save_matmuls", layout=widgets.Layout(width="auto"))
-        self.tick_cost = widgets.Button(description="tick the cost policy", layout=widgets.Layout(width="auto"))
+        self.tick_matmuls = widgets.Button(description="tick save_matmuls",
+                                           layout=widgets.Layout(width="auto"))
+        self.tick_cost = widgets.Button(description="tick the cost policy",
+                                        layout=widgets.Layout(width="auto"))
         self.clear = widgets.Button(description="clear", layout=widgets.Layout(width="auto"))
         self.time_button = widgets.Button(description="time all five", icon="clock-o",
                                           tooltip=f"{TIMED_ROUNDS} steps of each variant, in turns",
@@ -195,7 +206,8 @@ class PolicyExplorer(WidgetView):
         self.summary = widgets.HTML(layout=widgets.Layout(max_width="100%"))
         self.plot = widgets.Image(format="png", layout=widgets.Layout(
             width=f"{round(FIGURE_INCHES[0] * SCREEN_DPI)}px", max_width="100%", height="auto"))
-        for name, widget in (("summary", self.summary), ("plot", self.plot), ("tick-matmuls", self.tick_matmuls),
+        for name, widget in (("summary", self.summary), ("plot", self.plot),
+                             ("tick-matmuls", self.tick_matmuls),
                              ("clear", self.clear), ("time", self.time_button)):
             widget.add_class(f"ckptlib-policy-{name}")  # stable handles for the browser test
         self.table = self._table()
@@ -205,7 +217,8 @@ class PolicyExplorer(WidgetView):
         self.widget = widgets.VBox([
             widgets.Box([self.tick_matmuls, self.tick_cost, self.clear, self.time_button],
                         layout=widgets.Layout(**wrap)),
-            widgets.Box([self.table, widgets.VBox([self.summary, self.plot], layout=widgets.Layout(max_width="100%"))],
+            widgets.Box([self.table, widgets.VBox([self.summary, self.plot],
+                                                  layout=widgets.Layout(max_width="100%"))],
                         layout=widgets.Layout(**wrap)),
         ], layout=widgets.Layout(max_width="100%"))
         self.widget.add_class("ckptlib-policy-explorer")
@@ -213,7 +226,8 @@ class PolicyExplorer(WidgetView):
         self.update()
 
     def _text(self) -> str:
-        return f"PolicyExplorer({len(self.rows)} op signatures, {len(self.result['kept_rows'])} kept)"
+        return (f"PolicyExplorer({len(self.rows)} op signatures, "
+                f"{len(self.result['kept_rows'])} kept)")
 
     # -- measuring ----------------------------------------------------------------
     def _step_flops(self, forward: Callable[[], torch.Tensor]) -> int:
@@ -237,7 +251,8 @@ class PolicyExplorer(WidgetView):
         self._zero_grads()
         # Replayed and skipped calls still show up as an op (a detach, an empty meta tensor):
         # count the recomputed calls of the table's ops only.
-        rerun_ops = sum(entry.phase == "recompute" and entry.op in self._op_names for entry in meter.timeline)
+        rerun_ops = sum(entry.phase == "recompute" and entry.op in self._op_names
+                        for entry in meter.timeline)
         return {"kept_bytes": kept_bytes, "rerun_ops": rerun_ops,
                 "rerun_flops": self._step_flops(forward) - self._plain_flops}
 
@@ -253,7 +268,8 @@ class PolicyExplorer(WidgetView):
                 forwards[name]().sum().backward()
             return lambda: self.timer(name, step)
 
-        buttons = (self.time_button, self.tick_matmuls, self.tick_cost, self.clear, *self.checkboxes)
+        buttons = (self.time_button, self.tick_matmuls, self.tick_cost, self.clear,
+                   *self.checkboxes)
         for button in buttons:          # busy: nothing may change the selection while it is timed
             button.disabled = True
         self.time_button.description = "timing..."
@@ -269,7 +285,8 @@ class PolicyExplorer(WidgetView):
 
     def policy(self) -> Callable[..., bool]:
         """The ticked rows as a policy for ``selective_checkpoint``."""
-        kept = frozenset(row["signature"] for row, box in zip(self.rows, self.checkboxes) if box.value)
+        kept = frozenset(row["signature"]
+                         for row, box in zip(self.rows, self.checkboxes) if box.value)
         return lambda op, *args, **kwargs: signature(op, args) in kept
 
     def select(self, keep: Callable[[dict[str, Any]], bool]) -> None:
@@ -287,11 +304,13 @@ class PolicyExplorer(WidgetView):
             self.update()
 
     def update(self) -> None:
-        """Measure the ticked selection and redraw (called on every tick); times taken before are cleared."""
+        """Measure the ticked selection and redraw (called on every tick); times taken before are
+        cleared."""
         kept_rows = [i for i, box in enumerate(self.checkboxes) if box.value]
         policy = self.policy()
-        self.result = {**self._measure(lambda: selective_checkpoint(self.block, self.x, policy=policy)),
-                       "kept_rows": kept_rows}
+        self.result = {
+            **self._measure(lambda: selective_checkpoint(self.block, self.x, policy=policy)),
+            "kept_rows": kept_rows}
         self.timing = {}
         self.summary.value = self._summary()
         self._draw()
@@ -300,27 +319,35 @@ class PolicyExplorer(WidgetView):
     # -- showing ------------------------------------------------------------------
     def _table(self) -> widgets.GridBox:
         # The "#" column is the row's index in ``rows``, the number ``result["kept_rows"]`` lists:
-        # a notebook can name a selection (two rows share the op ``addmm``) the way the table shows it.
-        header = ["#", "keep", "op", "input shapes", "calls", "output", "time", "save_<br>matmuls", "cost<br>policy"]
-        cells: list[widgets.Widget] = [widgets.HTML(f"<b style='display:inline-block; line-height:1.25'>{title}</b>")
-                                       for title in header]
+        # a notebook can name a selection (two rows share the op ``addmm``) the way the table shows
+        # it.
+        header = ["#", "keep", "op", "input shapes", "calls", "output", "time", "save_<br>matmuls",
+                  "cost<br>policy"]
+        cells: list[widgets.Widget] = [
+            widgets.HTML(f"<b style='display:inline-block; line-height:1.25'>{title}</b>")
+            for title in header]
         for number, (row, box) in enumerate(zip(self.rows, self.checkboxes)):
             # Shapes wrap between one another (never inside one): the widest column stays narrow.
-            shapes = ", ".join(f"<span style='white-space:nowrap'>{'x'.join(map(str, shape))}</span>"
-                               for shape in row["input_shapes"])
+            shapes = ", ".join(
+                f"<span style='white-space:nowrap'>{'x'.join(map(str, shape))}</span>"
+                for shape in row["input_shapes"])
             cells += [widgets.HTML(str(number)), box,
                       widgets.HTML(f"<span style='{_MONOSPACE}'>{row['op']}</span>"),
-                      widgets.HTML(f"<span style='display:inline-block; white-space:normal; line-height:1.25'>"
+                      widgets.HTML("<span style='display:inline-block; white-space:normal; "
+                                   "line-height:1.25'>"
                                    f"{shapes}</span>"),
-                      widgets.HTML(str(row["calls"])), widgets.HTML(format_bytes(row["output_bytes"])),
+                      widgets.HTML(str(row["calls"])),
+                      widgets.HTML(format_bytes(row["output_bytes"])),
                       widgets.HTML(f"{row['time_s'] * 1e6:.0f} µs"),
-                      widgets.HTML("✓" if row["save_matmuls"] else ""), widgets.HTML("✓" if row["cost_policy"] else "")]
+                      widgets.HTML("✓" if row["save_matmuls"] else ""),
+                      widgets.HTML("✓" if row["cost_policy"] else "")]
         for position, cell in enumerate(cells):
             cell.layout.width = "auto" if position % 9 == 3 else "max-content"
         # Columns as wide as their widest cell, whatever the font (a slide deck's larger type must
         # not run one column into the next); the shapes column wraps past 150 px instead.
         return widgets.GridBox(cells, layout=widgets.Layout(
-            grid_template_columns="repeat(3, max-content) fit-content(150px) repeat(5, max-content)",
+            grid_template_columns=(
+                "repeat(3, max-content) fit-content(150px) repeat(5, max-content)"),
             grid_gap="0 10px", align_items="center", max_width="100%", margin="0 20px 8px 0"))
 
     def _variants(self) -> dict[str, dict[str, Any]]:
@@ -330,48 +357,60 @@ class PolicyExplorer(WidgetView):
         cell = "style='padding:2px 6px; text-align:right; white-space:nowrap'"
         head = "style='padding:2px 6px; text-align:right; vertical-align:bottom; line-height:1.2'"
         # Headers break at their spaces ("full / checkpoint"): the summary fits beside the table.
-        rows = ["<tr><td></td>" + "".join(f"<td {head}><b>{name.replace(' ', '<br>')}</b></td>"
-                                          for name in self._variants()) + "</tr>"]
+        rows = ["<tr><td></td>"
+                + "".join(f"<td {head}><b>{name.replace(' ', '<br>')}</b></td>"
+                          for name in self._variants())
+                + "</tr>"]
         lines = [("kept for backward", lambda name, v: format_bytes(v["kept_bytes"])),
                  ("calls rerun", lambda name, v: str(v["rerun_ops"])),
                  ("rerun FLOPs", lambda name, v: f"{v['rerun_flops'] / 1e6:+.2f} M")]
         if self.timing:
-            plain = self.timing["plain"]
             lines += [("step time", lambda name, v: self._step_time(name)),
-                      ("vs plain", lambda name, v: "" if name == "plain" else self._versus_plain(name))]
+                      ("vs plain",
+                       lambda name, v: "" if name == "plain" else self._versus_plain(name))]
         for label, show in lines:
             rows.append(f"<tr><td {cell}>{label}</td>" + "".join(
-                f"<td {cell}>{show(name, variant)}</td>" for name, variant in self._variants().items()) + "</tr>")
-        timed = (f"Step times: the five variants timed in turns, {TIMED_ROUNDS} steps each after a warm-up "
-                 "(median, and below it the lowest-highest in ms); \"within noise\" where the spreads overlap or a checkpoint comes "
-                 "out faster than plain." if self.timing else
-                 "Step times are not measured on a tick: they jitter. Press <b>time all five</b> to time all "
-                 "five variants together, in turns.")
+                f"<td {cell}>{show(name, variant)}</td>"
+                for name, variant in self._variants().items()) + "</tr>")
+        timed = (f"Step times: the five variants timed in turns, {TIMED_ROUNDS} steps each "
+                 "after a warm-up (median, and below it the lowest-highest in ms); "
+                 "\"within noise\" where the spreads overlap or a checkpoint comes out faster "
+                 "than plain." if self.timing else
+                 "Step times are not measured on a tick: they jitter. Press <b>time all five</b> "
+                 "to time all five variants together, in turns.")
         return ("<div style='max-width:100%'><table style='border-collapse:collapse'>"
                 + "".join(rows) + "</table>"
-                "<div style='max-width:520px; line-height:1.3; font-size:0.92em'>Kept bytes, calls rerun and rerun FLOPs "
+                "<div style='max-width:520px; line-height:1.3; font-size:0.92em'>"
+                "Kept bytes, calls rerun and rerun FLOPs "
                 f"(matmul FLOPs of a step beyond plain's) are exact. {timed}</div></div>")
 
     def _step_time(self, name: str) -> str:
-        """``'20.1 ms<br>15.2-33.0'``: the median over its spread, two short lines for a narrow column."""
+        """``'20.1 ms<br>15.2-33.0'``: the median over its spread, two short lines for a narrow
+        column."""
         low, high = spread(self.timing[name])
-        return f"{statistics.median(self.timing[name]) * 1e3:.1f} ms<br>{low * 1e3:.1f}-{high * 1e3:.1f}"
+        return (f"{statistics.median(self.timing[name]) * 1e3:.1f} ms<br>"
+                f"{low * 1e3:.1f}-{high * 1e3:.1f}")
 
     def _versus_plain(self, name: str) -> str:
-        """``'1.32x'``, or ``'0.98x<br>within noise'``: a checkpoint never reads faster than plain alone."""
+        """``'1.32x'``, or ``'0.98x<br>within noise'``: a checkpoint never reads faster than plain
+        alone."""
         versus = compare(self.timing[name], self.timing["plain"])
-        return f"{versus['ratio']:.2f}x" + ("<br><i>within noise</i>" if versus["within_noise"] else "")
+        return f"{versus['ratio']:.2f}x" + ("<br><i>within noise</i>" if versus["within_noise"]
+                                            else "")
 
     def _draw(self) -> None:
         self._figure.clear()
         kept_axes, flops_axes = self._figure.subplots(
-            1, 2, sharey=True, gridspec_kw=dict(left=0.23, right=0.97, bottom=0.2, top=0.88, wspace=0.15))
+            1, 2, sharey=True,
+            gridspec_kw=dict(left=0.23, right=0.97, bottom=0.2, top=0.88, wspace=0.15))
         names = list(self._variants())
         colours = [palette.HIGHLIGHT if name == SELECTION else palette.MUTED for name in names]
         kept = [variant["kept_bytes"] / 1024 for variant in self._variants().values()]
         flops = [variant["rerun_flops"] / 1e6 for variant in self._variants().values()]
-        kept_axes.bar_label(kept_axes.barh(names, kept, color=colours), fmt="%.0f", fontsize=FONT_PT, padding=2)
-        flops_axes.bar_label(flops_axes.barh(names, flops, color=colours), fmt="%.1f", fontsize=FONT_PT, padding=2)
+        kept_axes.bar_label(kept_axes.barh(names, kept, color=colours), fmt="%.0f",
+                            fontsize=FONT_PT, padding=2)
+        flops_axes.bar_label(flops_axes.barh(names, flops, color=colours), fmt="%.1f",
+                             fontsize=FONT_PT, padding=2)
         kept_axes.set(xlabel="KiB kept for backward", title="Memory")
         flops_axes.set(xlabel="MFLOP recomputed (matmuls)", title="Recompute")
         kept_axes.invert_yaxis()
