@@ -49,6 +49,7 @@ import torch.nn as nn
 from ckptlib._arguments import integer
 from ckptlib.core.errors import CheckpointError
 from ckptlib.core.checkpoint import checkpoint
+from ckptlib.core.compile import run_eagerly_under_dynamo
 from ckptlib.offload import offload_saved_tensors
 
 __all__ = ["apply_checkpointing", "remove_checkpointing", "Checkpointed", "repeated_layers"]
@@ -384,10 +385,9 @@ def _run_under_compile(wrapper: _Wrapper, args: tuple, kwargs: dict) -> Any:
     return wrapper.run(args, kwargs)
 
 
-# The two marks torch.compiler.disable sets (as on ckptlib.checkpoint): Dynamo breaks the graph at
-# the call and runs it eagerly; under fullgraph=True it refuses with this message.
-_run_under_compile._torchdynamo_disable = True   # type: ignore[attr-defined]
-_run_under_compile._torchdynamo_disable_msg = (   # type: ignore[attr-defined]
+# Dynamo breaks the graph at this call and runs it eagerly (as for ckptlib.checkpoint itself,
+# ckptlib/core/compile.py); under fullgraph=True it refuses with this message.
+run_eagerly_under_dynamo(_run_under_compile, reason=(
     "a module checkpointed by ckptlib.apply_checkpointing runs eagerly under torch.compile: drop "
     "fullgraph=True, or remove_checkpointing(model) and use torch.utils.checkpoint inside a "
-    "fullgraph region.")
+    "fullgraph region."))
