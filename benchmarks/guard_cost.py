@@ -68,7 +68,7 @@ def _no_generator_use(state) -> Iterator[None]:
 
 @contextlib.contextmanager
 def guards_off() -> Iterator[Callable]:
-    """The checkpoint without the issue-13 guards (see the module docstring)."""
+    """The checkpoint without its forward-vs-rerun guards (see the module docstring)."""
     patches = [
         (guards, "OutsideReads", _InputsOnly),
         (guards, "saved_key", lambda tensor, ptr, input_ptrs: (tensor.shape, tensor.dtype, tensor.device)),

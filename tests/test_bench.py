@@ -1,4 +1,4 @@
-"""Tests for ``python -m ckptlib.bench``: it runs end to end at tiny sizes, writes what it says,
+"""Tests for ``python -m benchmarks.bench``: it runs end to end at tiny sizes, writes what it says,
 and computes its ratios and fits correctly. Nothing here asserts a timing: performance is
 what the benchmark reports, not what a test can promise on a shared machine."""
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptlib import bench
-from ckptlib.bench import (
+from benchmarks import bench
+from benchmarks.bench import (
     MARKDOWN_BEGIN, MARKDOWN_END, METER_VARIANTS, SCHEMA, SUMMARY_KEYS, TINY, BenchError, BenchRun, Group,
     ProgressBar, TransformerSize, Variant, draw_figure, fit_log, fit_power_law, format_bar, format_report,
     format_table, main, median_and_iqr, ratio, selective_tradeoff, summarise_group, to_markdown, write_figures,
@@ -285,9 +285,9 @@ def test_keep_freed_memory_sets_glibc_in_its_own_process():
     import subprocess
     import sys
 
-    script = "from ckptlib.bench import keep_freed_memory as k, TINY; from ckptlib.bench.timing import _environment; " \
+    script = "from benchmarks.bench import keep_freed_memory as k, TINY; from benchmarks.bench.timing import describe_environment; " \
              "print(k()); " \
-             "import torch; print(_environment(TINY, torch.device('cpu'))['allocator'])"
+             "import torch; print(describe_environment(TINY, torch.device('cpu'))['allocator'])"
     lines = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
     if sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver()):
         assert lines[0] == lines[1] == "glibc, freed memory kept for reuse (mallopt)"
@@ -408,8 +408,8 @@ BAD_COMMAND_LINES = [
                          ids=[row[0] for row in BAD_COMMAND_LINES])
 def test_bad_command_lines_fail_before_measuring(argv, words, tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("not json")
-    monkeypatch.setattr("ckptlib.bench.cli.run", lambda *a, **k: pytest.fail("measured despite a bad argument"))
-    monkeypatch.setattr("ckptlib.bench.cli.keep_freed_memory", lambda: pytest.fail("changed the allocator"))
+    monkeypatch.setattr("benchmarks.bench.cli.run", lambda *a, **k: pytest.fail("measured despite a bad argument"))
+    monkeypatch.setattr("benchmarks.bench.cli.keep_freed_memory", lambda: pytest.fail("changed the allocator"))
     with pytest.raises(SystemExit) as info:
         main([arg.format(tmp=tmp_path) for arg in argv])
     assert all(word in str(info.value) for word in words), str(info.value)

@@ -63,7 +63,7 @@ class ProgressBar:
 
 
 
-class _Progress:
+class Ticker:
     """The bar, or nothing: lets the measuring code call ``tick`` unconditionally."""
 
     def __init__(self, bar: ProgressBar | None) -> None:

@@ -1,4 +1,4 @@
-"""The command line, ``python -m ckptlib.bench``: measure (or read a saved run), then print, write and draw.
+"""The command line, ``python -m benchmarks.bench``: measure (or read a saved run), then print, write and draw.
 
 Every argument is checked before anything is measured: a run takes minutes, and
 a typo in an output path should not cost them. ``--from-json`` reports a saved
@@ -15,11 +15,11 @@ from typing import Sequence
 
 import torch
 
-from ckptlib.bench.config import CLOCKS, Config
-from ckptlib.bench.figures import write_figures
-from ckptlib.bench.report import format_report, write_markdown
-from ckptlib.bench.summary import BenchError, BenchRun, _as_device, _check_device, check_summary, run
-from ckptlib.bench.timing import keep_freed_memory
+from benchmarks.bench.config import CLOCKS, Config
+from benchmarks.bench.figures import write_figures
+from benchmarks.bench.report import format_report, write_markdown
+from benchmarks.bench.summary import BenchError, BenchRun, as_device, check_device, check_summary, run
+from benchmarks.bench.timing import keep_freed_memory
 
 # Options that shape a measurement, and their defaults (None: not given on the command line).
 _MEASURING = {"device": "cpu", "quick": False, "rounds": None, "threads": None, "clock": "wall",
@@ -28,7 +28,7 @@ _MEASURING = {"device": "cpu", "quick": False, "rounds": None, "threads": None, 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m ckptlib.bench",
+        prog="python -m benchmarks.bench",
         description="Peak memory and step time of plain autograd, torch.utils.checkpoint and ckptlib "
                     "(per block, sqrt(n) plans, selective, offload), measured in one interleaved run.")
     parser.add_argument("--device", help="cpu (default) or cuda: the allocator meter, synchronised timing")
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true", default=None, help="no progress bar on stderr")
     parser.add_argument("--system-malloc", action="store_true", default=None,
                         help="leave glibc's malloc as it is (default: keep freed memory for reuse; "
-                             "see ckptlib/bench/timing.py)")
+                             "see benchmarks/bench/timing.py)")
     return parser
 
 
@@ -83,7 +83,7 @@ def _saved_run(args: argparse.Namespace) -> BenchRun:
 def _config(args: argparse.Namespace) -> Config:
     """``QUICK`` or ``DEFAULT`` with the options given. The presets are looked up on the package at
     call time, so a caller can swap them (the tests run the command line at ``TINY`` sizes)."""
-    presets = sys.modules["ckptlib.bench"]
+    presets = sys.modules["benchmarks.bench"]
     config = presets.QUICK if args.quick else presets.DEFAULT
     if args.rounds is not None:
         if args.rounds < 1:
@@ -100,8 +100,8 @@ def _measured_run(args: argparse.Namespace) -> BenchRun:
     if args.threads is not None and args.threads < 1:
         raise SystemExit(f"--threads {args.threads}: need at least one thread.")
     try:
-        device = _as_device(args.device)
-        _check_device(device, config.clock)
+        device = as_device(args.device)
+        check_device(device, config.clock)
     except BenchError as error:
         raise SystemExit(str(error)) from None
     if args.threads is not None:

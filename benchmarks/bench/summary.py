@@ -3,10 +3,10 @@
 The summary (``SUMMARY_KEYS``, schema ``SCHEMA``) is what ``--json`` writes and
 ``--from-json`` reads back; the report and the figures are drawn from it alone,
 except the per-op memory timelines, which stay in memory (``BenchRun``).
-The *targets* are the promises the issues made (ckptlib no slower and no bigger
-than torch per block, selective policies keeping half of full checkpointing's
-saving for at most half of its extra time, sqrt(n) memory growing like
-n^0.5 ...), each with the measured value and whether it was met.
+The *targets* are the goals set for the library and its schedules (ckptlib no
+slower and no bigger than torch per block, selective policies keeping half of
+full checkpointing's saving for at most half of its extra time, sqrt(n) memory
+growing like n^0.5 ...), each with the measured value and whether it was met.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import Any, Sequence
 
 import torch
 
-from ckptlib.bench.config import DEFAULT, METER_VARIANTS, Config, Group, _groups
-from ckptlib.bench.progress import ProgressBar, _Progress
-from ckptlib.bench.sweeps import _forward_mismatches, _run_depths, _run_meter_agreement, _run_scaling
-from ckptlib.bench.timing import _environment, _run_group
+from benchmarks.bench.config import DEFAULT, METER_VARIANTS, Config, Group, build_groups
+from benchmarks.bench.progress import ProgressBar, Ticker
+from benchmarks.bench.sweeps import forward_mismatches, run_depths, run_meter_agreement, run_scaling
+from benchmarks.bench.timing import describe_environment, run_group
 from ckptlib.memory import TimelineEntry
 
 SCHEMA = "ckptlib.bench/1"
@@ -69,19 +69,19 @@ def run(config: Config = DEFAULT, device: torch.device | str = "cpu",
     if not (progress is None or progress == "auto" or isinstance(progress, ProgressBar)):
         raise TypeError(f"run: progress must be 'auto' (a bar on stderr), None (no bar) or a ProgressBar, "
                         f"got {progress!r}.")
-    device = _as_device(device)
-    _check_device(device, config.clock)
+    device = as_device(device)
+    check_device(device, config.clock)
     if device.type == "cuda":
         torch.cuda.init()   # before any checkpoint: its RNG state must exist to be saved
-    groups = _groups(config, device)
+    groups = build_groups(config, device)
     bar = ProgressBar(_work_units(config, groups, device)) if progress == "auto" else progress
-    ticker = _Progress(bar if isinstance(bar, ProgressBar) else None)
+    ticker = Ticker(bar if isinstance(bar, ProgressBar) else None)
     timelines: dict[str, list[TimelineEntry]] = {}
     try:
-        results = {group.name: _run_group(group, config, device, ticker, timelines) for group in groups}
-        depth = _run_depths(config, device, ticker)
-        scaling = _run_scaling(config, device, ticker)
-        agreement = _run_meter_agreement(groups, device, ticker) if device.type == "cuda" else None
+        results = {group.name: run_group(group, config, device, ticker, timelines) for group in groups}
+        depth = run_depths(config, device, ticker)
+        scaling = run_scaling(config, device, ticker)
+        agreement = run_meter_agreement(groups, device, ticker) if device.type == "cuda" else None
     finally:
         if isinstance(bar, ProgressBar):
             bar.close()
@@ -89,7 +89,7 @@ def run(config: Config = DEFAULT, device: torch.device | str = "cpu",
     blocks = results["blocks"]["variants"]
     summary = {
         "schema": SCHEMA,
-        "environment": _environment(config, device),
+        "environment": describe_environment(config, device),
         "groups": results,
         "meter_overhead": {kind: blocks[name]["time_vs_plain"] for kind, name in METER_VARIANTS.items()},
         "seed_claims": _seed_claims(results),
@@ -143,7 +143,7 @@ def _targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
             _target(f"{name}: share of full checkpointing's extra time paid", "the selective and schedule goals",
                     tradeoff["extra_time_paid"], "<=", 0.5, interval=tradeoff.get("extra_time_paid_interval")),
         ]
-    mismatches = sum(_forward_mismatches(record) for record in scaling.values())
+    mismatches = sum(forward_mismatches(record) for record in scaling.values())
     targets += [
         _target("sqrt(n) plan: exponent of peak vs n", "the selective and schedule goals", scaling["sqrt"]["power_fit"]["exponent"], "<=", 0.55),
         # "grows like log n": a straight line against log2(n) explains the peaks.
@@ -161,14 +161,14 @@ class BenchError(Exception):
     """The bench cannot run as asked (no CUDA, a clock that cannot time the device ...)."""
 
 
-def _as_device(device: torch.device | str) -> torch.device:
+def as_device(device: torch.device | str) -> torch.device:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError):
         raise BenchError(f"--device {device}: the bench measures on 'cpu' or 'cuda'.") from None
 
 
-def _check_device(device: torch.device, clock: str) -> None:
+def check_device(device: torch.device, clock: str) -> None:
     if device.type not in ("cpu", "cuda"):
         raise BenchError(f"--device {device}: the bench measures on 'cpu' or 'cuda'.")
     if device.type != "cuda":

@@ -36,7 +36,7 @@ activation) back to the operating system when they are freed, and the next
 allocation of that size takes fresh pages, which the kernel zeroes on first
 touch. Checkpointing variants free and reallocate more than plain autograd, so
 with the default settings a CPU timing partly measures page faults, and varies
-with whatever freed memory a variant happens to find. ``python -m ckptlib.bench``
+with whatever freed memory a variant happens to find. ``python -m benchmarks.bench``
 therefore asks glibc (``mallopt``) to keep freed memory for reuse, as jemalloc
 and tcmalloc do (PyTorch's CPU performance guide recommends those allocators).
 Every variant runs under the same setting, which is recorded as ``allocator``
@@ -56,9 +56,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ckptlib.bench.config import CLOCKS, Config, Group, Variant
-from ckptlib.bench.progress import _Progress
-from ckptlib.bench.stats import median_and_iqr, paid_interval, ratio, selective_tradeoff
+from benchmarks.bench.config import CLOCKS, Config, Group, Variant
+from benchmarks.bench.progress import Ticker
+from benchmarks.bench.stats import median_and_iqr, paid_interval, ratio, selective_tradeoff
 from ckptlib.memory import MemoryMeter, TimelineEntry
 
 def _synchronize(device: torch.device) -> None:
@@ -87,7 +87,7 @@ def _timed(step: Callable[[], Any], device: torch.device, clock: Callable[[], fl
         return clock() - start
 
 
-def _peak(variant: Variant, device: torch.device, backend: str = "auto") -> tuple[int, list[TimelineEntry]]:
+def measure_peak(variant: Variant, device: torch.device, backend: str = "auto") -> tuple[int, list[TimelineEntry]]:
     """Peak bytes of one step, gradients allocated inside it (see "How it measures")."""
     variant.model.zero_grad(set_to_none=True)
     with MemoryMeter(device, backend=backend) as meter:
@@ -95,7 +95,7 @@ def _peak(variant: Variant, device: torch.device, backend: str = "auto") -> tupl
     return meter.peak_bytes, meter.timeline
 
 
-def _run_group(group: Group, config: Config, device: torch.device, progress: _Progress,
+def run_group(group: Group, config: Config, device: torch.device, progress: Ticker,
                timelines: dict[str, list[TimelineEntry]]) -> dict[str, Any]:
     for variant in group.variants:
         variant.step()                                   # warm-up: lazy initialisation, caches
@@ -105,7 +105,7 @@ def _run_group(group: Group, config: Config, device: torch.device, progress: _Pr
         if variant.metered is not None:
             peaks[variant.name] = None
             continue
-        peaks[variant.name], timeline = _peak(variant, device)
+        peaks[variant.name], timeline = measure_peak(variant, device)
         timelines[f"{group.name}/{variant.name}"] = timeline
         progress.tick(f"{group.name}: memory {variant.name}")
     times: dict[str, list[float]] = {variant.name: [] for variant in group.variants}
@@ -181,7 +181,7 @@ def keep_freed_memory() -> str:
     return _allocator_setting
 
 
-def _environment(config: Config, device: torch.device) -> dict[str, Any]:
+def describe_environment(config: Config, device: torch.device) -> dict[str, Any]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
             "device": str(device), "device_name": name, "threads": torch.get_num_threads(),

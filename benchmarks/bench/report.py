@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from ckptlib.bench.summary import check_summary
-from ckptlib.bench.sweeps import _forward_mismatches
+from benchmarks.bench.summary import check_summary
+from benchmarks.bench.sweeps import forward_mismatches
 from ckptlib.memory import format_bytes
 
 def format_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -110,7 +110,7 @@ def _interval(bounds: Sequence[float] | None) -> str:
 
 
 def _reference(tradeoff: dict[str, Any]) -> str:
-    reference = tradeoff.get("earlier_measurement", tradeoff.get("issue_7_measured"))
+    reference = tradeoff.get("earlier_measurement")
     if reference is None:
         return ""
     return f" (an earlier run measured {reference['saving_kept']:.2f} and {reference['extra_time_paid']:.2f})"
@@ -178,7 +178,7 @@ def to_markdown(summary: dict[str, Any]) -> str:
                      + _markdown_table(["variant", "difference"], rows))
     scaling = summary["scaling"]
     rows = [[name, f"{r['power_fit']['exponent']:.2f}", f"{r['power_fit']['r2']:.3f}", f"{r['log_fit']['r2']:.3f}",
-             "yes" if _forward_mismatches(r) == 0 else "no"] for name, r in scaling["modes"].items()]
+             "yes" if forward_mismatches(r) == 0 else "no"] for name, r in scaling["modes"].items()]
     parts.append(f"**Scaling** ({scaling['model']}, n = {', '.join(map(str, scaling['ns']))})\n\n" + _markdown_table(
         ["plan", "exponent p of peak ~ n^p", "R² (power)", "R² (log2 n)", "forward calls as planned"], rows))
     rows = [[t["name"], _measured(t),
@@ -188,7 +188,7 @@ def to_markdown(summary: dict[str, Any]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-MARKDOWN_BEGIN = "<!-- bench results: begin (written by python -m ckptlib.bench --markdown) -->"
+MARKDOWN_BEGIN = "<!-- bench results: begin (written by python -m benchmarks.bench --markdown) -->"
 MARKDOWN_END = "<!-- bench results: end -->"
 
 

@@ -20,7 +20,7 @@ seed, same batch) and differ only in how activations are kept:
 ``offload``    saved tensors moved to CPU: ``ckptlib.offload`` and
                ``torch.autograd.graph.save_on_cpu``.
 
-Then two sweeps that measure memory only (:mod:`ckptlib.bench.sweeps`).
+Then two sweeps that measure memory only (:mod:`benchmarks.bench.sweeps`).
 ``DEFAULT`` is what ``make bench`` runs, ``QUICK`` a shorter run (``--quick``),
 ``TINY`` a run of a few seconds for tests.
 """
@@ -224,7 +224,7 @@ def _per_block(size: TransformerSize, device: torch.device, plain: TinyTransform
     ]
 
 
-def _groups(config: Config, device: torch.device) -> list[Group]:
+def build_groups(config: Config, device: torch.device) -> list[Group]:
     size = config.blocks
     plain, batch = _plain(size, device)
     blocks = Group("blocks", "Per-block checkpointing", size.describe(), [

@@ -1,18 +1,16 @@
-"""Ratios, medians, intervals and fits: the arithmetic of the bench, as pure functions.
+"""Ratios, medians and intervals: the arithmetic of the bench, as pure functions.
 
 A time *ratio* between two variants is the median of their per-round ratios
 (the variants of one round ran back to back, so a slow spell of the machine
 cancels out of it); a spread is the interquartile range (IQR). The scaling run's
-exponent ``p`` of ``peak ~ c * n**p`` comes from least squares on log-log axes;
-``peak ~ a + b * log2(n)`` is fitted too, for the recursive plan.
+fits (``peak ~ c * n**p`` and ``peak ~ a + b * log2(n)``) are the library's own,
+:mod:`ckptlib.fits`, which notebook 05 uses too.
 """
 from __future__ import annotations
 
-import math
 import random
 import statistics
 from typing import Sequence
-
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -86,48 +84,3 @@ def paid_interval(times: dict[str, list[float]], selective: str, full: str, *, r
         return None       # full checkpointing did not even cost time in most resamples
     values.sort()
     return [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
-
-
-def _least_squares(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
-    """Slope, intercept and R^2 of the straight line through ``(xs, ys)``."""
-    if len(xs) != len(ys) or len(xs) < 2:
-        raise ValueError(f"a fit needs two or more (x, y) pairs of equal count, got {len(xs)} and {len(ys)}.")
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    if sxx == 0:
-        raise ValueError("a fit needs at least two different x values.")
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
-    intercept = mean_y - slope * mean_x
-    total = sum((y - mean_y) ** 2 for y in ys)
-    residual = sum((y - (intercept + slope * x)) ** 2 for x, y in zip(xs, ys))
-    r2 = 1.0 - residual / total if total > 0 else 1.0
-    return slope, intercept, r2
-
-
-def fit_power_law(ns: Sequence[float], values: Sequence[float]) -> dict[str, float]:
-    """Fit ``value = coefficient * n ** exponent`` by least squares on log-log axes.
-
-    >>> fit = fit_power_law([16, 64, 256], [4 * n ** 0.5 for n in [16, 64, 256]])
-    >>> round(fit["exponent"], 6), round(fit["coefficient"], 6), round(fit["r2"], 6)
-    (0.5, 4.0, 1.0)
-    """
-    if min(ns) <= 0 or min(values) <= 0:
-        raise ValueError("a power-law fit needs positive n and values (it takes logarithms).")
-    slope, intercept, r2 = _least_squares([math.log(n) for n in ns], [math.log(v) for v in values])
-    return {"exponent": slope, "coefficient": math.exp(intercept), "r2": r2}
-
-
-def fit_log(ns: Sequence[float], values: Sequence[float]) -> dict[str, float]:
-    """Fit ``value = intercept + per_doubling * log2(n)`` by least squares.
-
-    ``per_doubling`` is what one doubling of n adds.
-
-    >>> fit = fit_log([16, 32, 64, 128], [100 + 7 * math.log2(n) for n in [16, 32, 64, 128]])
-    >>> round(fit["per_doubling"], 6), round(fit["intercept"], 6), round(fit["r2"], 6)
-    (7.0, 100.0, 1.0)
-    """
-    if min(ns) <= 0:
-        raise ValueError("a log fit needs positive n.")
-    slope, intercept, r2 = _least_squares([math.log2(n) for n in ns], list(values))
-    return {"per_doubling": slope, "intercept": intercept, "r2": r2}
-

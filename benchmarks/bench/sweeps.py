@@ -15,7 +15,7 @@ recomputed ones). It measures *activation* memory: the gradients are allocated
 by a warm-up step and accumulate in place during the measured one, so the peak
 is what the schedule keeps, and its growth with n is the schedule's, not the
 parameters'. Each mode's peaks get a power-law fit and a log fit
-(:mod:`ckptlib.bench.stats`).
+(:mod:`ckptlib.fits`).
 
 On CUDA, the allocator and the live-tensor meter also measure the same steps,
 and the two are compared (``meter_agreement``).
@@ -27,15 +27,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ckptlib.bench.config import Config, Group, Variant
-from ckptlib.bench.progress import _Progress
-from ckptlib.bench.stats import fit_log, fit_power_law, ratio
-from ckptlib.bench.timing import _peak
+from benchmarks.bench.config import Config, Group, Variant
+from benchmarks.bench.progress import Ticker
+from benchmarks.bench.stats import ratio
+from benchmarks.bench.timing import measure_peak
+from ckptlib.fits import fit_log, fit_power_law
 from ckptlib.memory import MemoryMeter
 from ckptlib.models import MLPChain
 from ckptlib.schedules import Plan, recursive, sqrt_n
 
-def _run_depths(config: Config, device: torch.device, progress: _Progress) -> dict[str, Any]:
+def run_depths(config: Config, device: torch.device, progress: Ticker) -> dict[str, Any]:
     modes = {"plain": "none", "torch": "torch", "ckptlib": "block", "sqrt": "sqrt"}
     peaks: dict[str, list[int]] = {name: [] for name in modes}
     size = config.blocks
@@ -44,7 +45,7 @@ def _run_depths(config: Config, device: torch.device, progress: _Progress) -> di
             model = size.build(device, depth=depth, checkpointing=mode)
             variant = Variant(name, name, model, model.example_batch(batch=size.batch))
             variant.step()
-            peaks[name].append(_peak(variant, device)[0])
+            peaks[name].append(measure_peak(variant, device)[0])
             progress.tick(f"depth {depth}: {name}")
     return {"model": size.describe(depth="d"), "depths": list(config.depths),
             "peak_bytes": peaks,
@@ -71,7 +72,7 @@ def _scaling_plans(n: int) -> dict[str, Plan | str]:
     return {"plain": "none", "sqrt": sqrt_n(n), "recursive": recursive(n)}
 
 
-def _run_scaling(config: Config, device: torch.device, progress: _Progress) -> dict[str, Any]:
+def run_scaling(config: Config, device: torch.device, progress: Ticker) -> dict[str, Any]:
     modes: dict[str, dict[str, list]] = {}
     for n in config.scaling_ns:
         for name, plan in _scaling_plans(n).items():
@@ -99,15 +100,15 @@ def _run_scaling(config: Config, device: torch.device, progress: _Progress) -> d
             "ns": list(config.scaling_ns), "modes": modes}
 
 
-def _run_meter_agreement(groups: list[Group], device: torch.device, progress: _Progress) -> dict[str, Any]:
+def run_meter_agreement(groups: list[Group], device: torch.device, progress: Ticker) -> dict[str, Any]:
     """CUDA only: the allocator and the live-tensor meter on the same steps."""
     rows = {}
     for group in groups[:2]:
         for variant in group.variants:
             if variant.metered is not None:
                 continue
-            allocator_bytes = _peak(variant, device, backend="allocator")[0]
-            tensors_bytes = _peak(variant, device, backend="tensors")[0]
+            allocator_bytes = measure_peak(variant, device, backend="allocator")[0]
+            tensors_bytes = measure_peak(variant, device, backend="tensors")[0]
             rows[f"{group.name}/{variant.name}"] = {
                 "allocator_bytes": allocator_bytes, "tensors_bytes": tensors_bytes,
                 "relative_difference": ratio(tensors_bytes - allocator_bytes, allocator_bytes)}
@@ -117,7 +118,7 @@ def _run_meter_agreement(groups: list[Group], device: torch.device, progress: _P
 
 
 
-def _forward_mismatches(record: dict[str, list[int]]) -> int:
+def forward_mismatches(record: dict[str, list[int]]) -> int:
     return sum(counted != planned for counted, planned in zip(record["forward_calls"], record["plan_forward_calls"]))
 
 
