@@ -1,4 +1,5 @@
-"""``python -m benchmarks.bench``: peak memory and step time of every way to checkpoint, side by side.
+"""``python -m benchmarks.bench``: peak memory and step time of every way to checkpoint, side by
+side.
 
 A tool beside the library, not part of it: run it from the repository root
 (``make bench``, ``make figures``, or ``python -m benchmarks.bench --quick``).
@@ -38,7 +39,8 @@ from benchmarks.bench.report import (
 )
 from benchmarks.bench.stats import median_and_iqr, paid_interval, ratio, selective_tradeoff
 from benchmarks.bench.summary import (
-    SCHEMA, SEED_CLAIMS, SUMMARY_KEYS, TORCH_SAC_REFERENCE, BenchError, BenchRun, check_summary, run,
+    SCHEMA, SEED_CLAIMS, SUMMARY_KEYS, TORCH_SAC_REFERENCE, BenchError, BenchRun, check_summary,
+    run,
 )
 from benchmarks.bench.timing import keep_freed_memory, summarise_group
 
@@ -48,5 +50,6 @@ __all__ = [
     "SEED_CLAIMS", "TORCH_SAC_REFERENCE", "SCHEMA", "SUMMARY_KEYS",
     "ratio", "median_and_iqr", "paid_interval", "selective_tradeoff",
     "summarise_group", "format_bar", "ProgressBar", "format_table", "format_report", "to_markdown",
-    "write_markdown", "MARKDOWN_BEGIN", "MARKDOWN_END", "FIGURE_NAMES", "draw_figure", "write_figures",
+    "write_markdown", "MARKDOWN_BEGIN", "MARKDOWN_END", "FIGURE_NAMES", "draw_figure",
+    "write_figures",
 ]

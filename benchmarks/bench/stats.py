@@ -6,6 +6,7 @@ cancels out of it); a spread is the interquartile range (IQR). The scaling run's
 fits (``peak ~ c * n**p`` and ``peak ~ a + b * log2(n)``) are the library's own,
 :mod:`ckptlib.fits`, which notebook 05 uses too.
 """
+
 from __future__ import annotations
 
 import random
@@ -38,9 +39,11 @@ def median_and_iqr(values: Sequence[float]) -> tuple[float, float]:
     return statistics.median(values), quartiles[2] - quartiles[0]
 
 
-def selective_tradeoff(plain: tuple[float, float], full: tuple[float, float],
-                       selective: tuple[float, float]) -> dict[str, float | None]:
-    """How much of full checkpointing's saving a selective policy keeps, and of its extra time it pays.
+def selective_tradeoff(
+    plain: tuple[float, float], full: tuple[float, float], selective: tuple[float, float]
+) -> dict[str, float | None]:
+    """How much of full checkpointing's saving a selective policy keeps, and of its extra time it
+    pays.
 
     Each argument is ``(peak_bytes, step_s)``. ``saving_kept`` is
     ``(plain - selective) / (plain - full)`` for memory, ``extra_time_paid`` the
@@ -50,12 +53,20 @@ def selective_tradeoff(plain: tuple[float, float], full: tuple[float, float],
     {'saving_kept': 0.5, 'extra_time_paid': 0.25}
     """
     (plain_bytes, plain_s), (full_bytes, full_s), (sel_bytes, sel_s) = plain, full, selective
-    return {"saving_kept": ratio(plain_bytes - sel_bytes, plain_bytes - full_bytes),
-            "extra_time_paid": ratio(sel_s - plain_s, full_s - plain_s)}
+    return {
+        "saving_kept": ratio(plain_bytes - sel_bytes, plain_bytes - full_bytes),
+        "extra_time_paid": ratio(sel_s - plain_s, full_s - plain_s),
+    }
 
 
-def paid_interval(times: dict[str, list[float]], selective: str, full: str, *, resamples: int = 2000,
-                  seed: int = 0) -> list[float] | None:
+def paid_interval(
+    times: dict[str, list[float]],
+    selective: str,
+    full: str,
+    *,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> list[float] | None:
     """A 95% bootstrap interval for ``extra_time_paid``: the rounds resampled with replacement
     (a round's variants together, as they ran), the trade-off recomputed from the medians of
     the per-round time ratios each time. ``None`` with fewer than 5 rounds.
@@ -72,15 +83,19 @@ def paid_interval(times: dict[str, list[float]], selective: str, full: str, *, r
     rounds = len(times["plain"])
     if rounds < 5:
         return None
-    ratios = {name: [a / b for a, b in zip(times[name], times["plain"])] for name in (selective, full)}
+    ratios = {
+        name: [a / b for a, b in zip(times[name], times["plain"])] for name in (selective, full)
+    }
     generator = random.Random(seed)
     values = []
     for _ in range(resamples):
         picks = [generator.randrange(rounds) for _ in range(rounds)]
         full_extra = statistics.median([ratios[full][i] for i in picks]) - 1
         if full_extra > 0:
-            values.append((statistics.median([ratios[selective][i] for i in picks]) - 1) / full_extra)
+            values.append(
+                (statistics.median([ratios[selective][i] for i in picks]) - 1) / full_extra
+            )
     if len(values) < resamples // 2:
-        return None       # full checkpointing did not even cost time in most resamples
+        return None  # full checkpointing did not even cost time in most resamples
     values.sort()
     return [values[int(0.025 * len(values))], values[int(0.975 * len(values)) - 1]]
