@@ -43,10 +43,10 @@ test-notebooks: setup
 BENCH_ARGS ?= --threads 1 --clock cpu --rounds 100
 
 figures: setup
-	$(BIN)/python -m ckptlib.bench $(BENCH_ARGS) --figures figures
+	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS) --figures figures
 
 bench: setup
-	$(BIN)/python -m ckptlib.bench $(BENCH_ARGS) --json benchmarks/results/cpu.json --markdown benchmarks/README.md --figures figures
+	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS) --json benchmarks/results/cpu.json --markdown benchmarks/README.md --figures figures
 	$(BIN)/python benchmarks/guard_cost.py --json benchmarks/results/guard_cost.json --markdown benchmarks/README.md
 
 # The GPU run (see benchmarks/README.md): `make gpu-wheels` here fills .whl/ with what the GPU

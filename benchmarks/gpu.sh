@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The short GPU benchmark: `python -m ckptlib.bench --quick --device cuda`, about a minute on one GPU.
+# The short GPU benchmark: `python -m benchmarks.bench --quick --device cuda`, about a minute on one GPU.
 #
 # Measures every variant with the CUDA caching allocator (synchronised timing), and measures the
 # same steps again with the live-tensor meter: `meter_agreement` in the JSON says how far the two
@@ -7,7 +7,7 @@
 #
 #   benchmarks/gpu.sh                 # from anywhere; uses .venv/bin/python if it exists
 #   PYTHON=python3 benchmarks/gpu.sh  # another interpreter
-#   benchmarks/gpu.sh --rounds 9      # extra flags go to python -m ckptlib.bench
+#   benchmarks/gpu.sh --rounds 9      # extra flags go to python -m benchmarks.bench
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,4 +35,4 @@ slug="$(printf '%s' "$gpu_name" | tr '[:upper:]' '[:lower:]' | tr -cs 'a-z0-9' '
 out="benchmarks/results/cuda-${slug:-gpu}.json"
 
 # The run takes about a minute; stop it well before anyone's 3-minute budget is gone.
-timeout "${BENCH_TIMEOUT_S:-170}" "$python" -m ckptlib.bench --quick --device cuda --json "$out" "$@"
+timeout "${BENCH_TIMEOUT_S:-170}" "$python" -m benchmarks.bench --quick --device cuda --json "$out" "$@"

@@ -20,6 +20,7 @@ rounds (each round runs every variant once, in a rotating order) and the median 
 of the time per training step of the block, with its quartiles (the spread between rounds:
 on a shared machine differences inside it are noise).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,10 @@ class _InputsOnly(guards.OutsideReads):
     def __init__(self, fn, inputs) -> None:
         self.roots, self.read, self.written, self.saved_leaves = [], [], [], []
         self.inputs = [(weakref.ref(t), t._version) for t in inputs]
-        self.fn, self._storages = fn, None   # which saved tensors free memory: not a guard, kept as is
+        self.fn, self._storages = (
+            fn,
+            None,
+        )  # which saved tensors free memory: not a guard, kept as is
 
     def add_saved_leaf(self, leaf) -> None:
         pass
@@ -68,10 +72,14 @@ def _no_generator_use(state) -> Iterator[None]:
 
 @contextlib.contextmanager
 def guards_off() -> Iterator[Callable]:
-    """The checkpoint without the issue-13 guards (see the module docstring)."""
+    """The checkpoint without its forward-vs-rerun guards (see the module docstring)."""
     patches = [
         (guards, "OutsideReads", _InputsOnly),
-        (guards, "saved_key", lambda tensor, ptr, input_ptrs: (tensor.shape, tensor.dtype, tensor.device)),
+        (
+            guards,
+            "saved_key",
+            lambda tensor, ptr, input_ptrs: (tensor.shape, tensor.dtype, tensor.device),
+        ),
         (rng, "in_use", _no_generator_use),
         (checkpoint_module, "check_checkpoint_arguments", lambda *args: None),
     ]
@@ -91,7 +99,10 @@ def blocks() -> dict[str, tuple[torch.nn.Module, torch.Tensor]]:
     torch.manual_seed(0)
     return {
         "MLPChain block (width 256, batch 8)": (mlp.blocks[0], torch.randn(8, 256)),
-        "TinyTransformer block (d_model 128, seq 64, batch 8)": (transformer.blocks[0], torch.randn(8, 64, 128)),
+        "TinyTransformer block (d_model 128, seq 64, batch 8)": (
+            transformer.blocks[0],
+            torch.randn(8, 64, 128),
+        ),
     }
 
 
@@ -103,7 +114,8 @@ def step(run: Callable, block: torch.nn.Module, x: torch.Tensor) -> None:
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "plain": lambda: contextlib.nullcontext(lambda block, x: block(x)),
     "torch.utils.checkpoint": lambda: contextlib.nullcontext(
-        lambda block, x: torch_checkpoint(block, x, use_reentrant=False)),
+        lambda block, x: torch_checkpoint(block, x, use_reentrant=False)
+    ),
     "ckptlib": lambda: contextlib.nullcontext(ckptlib.checkpoint),
     "ckptlib, guards off": guards_off,
 }
@@ -114,13 +126,13 @@ def measure(rounds: int, steps: int) -> dict:
     results = {}
     for block_name, (block, x) in blocks().items():
         names = list(VARIANTS)
-        for name in names:                       # warm up
+        for name in names:  # warm up
             with VARIANTS[name]() as run:
                 for _ in range(3):
                     step(run, block, x)
         per_step_us: dict[str, list[float]] = {name: [] for name in names}
         for round_index in range(rounds):
-            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            order = names[round_index % len(names) :] + names[: round_index % len(names)]
             for name in order:
                 with VARIANTS[name]() as run:
                     began = time.process_time()
@@ -129,24 +141,41 @@ def measure(rounds: int, steps: int) -> dict:
                     per_step_us[name].append((time.process_time() - began) / steps * 1e6)
                 block.zero_grad(set_to_none=True)
         median = {name: statistics.median(values) for name, values in per_step_us.items()}
-        quartiles = {name: statistics.quantiles(values, n=4) for name, values in per_step_us.items()}
+        quartiles = {
+            name: statistics.quantiles(values, n=4) for name, values in per_step_us.items()
+        }
         results[block_name] = {
             "median_us_per_step": {name: round(value, 1) for name, value in median.items()},
-            "quartiles_us_per_step": {name: [round(q[0], 1), round(q[2], 1)] for name, q in quartiles.items()},
+            "quartiles_us_per_step": {
+                name: [round(q[0], 1), round(q[2], 1)] for name, q in quartiles.items()
+            },
             "ratios": {
-                "ckptlib / ckptlib guards off": round(median["ckptlib"] / median["ckptlib, guards off"], 3),
-                "ckptlib / torch.utils.checkpoint": round(median["ckptlib"] / median["torch.utils.checkpoint"], 3),
-                "ckptlib guards off / torch.utils.checkpoint":
-                    round(median["ckptlib, guards off"] / median["torch.utils.checkpoint"], 3),
+                "ckptlib / ckptlib guards off": round(
+                    median["ckptlib"] / median["ckptlib, guards off"], 3
+                ),
+                "ckptlib / torch.utils.checkpoint": round(
+                    median["ckptlib"] / median["torch.utils.checkpoint"], 3
+                ),
+                "ckptlib guards off / torch.utils.checkpoint": round(
+                    median["ckptlib, guards off"] / median["torch.utils.checkpoint"], 3
+                ),
                 "ckptlib / plain": round(median["ckptlib"] / median["plain"], 3),
-                "torch.utils.checkpoint / plain": round(median["torch.utils.checkpoint"] / median["plain"], 3),
+                "torch.utils.checkpoint / plain": round(
+                    median["torch.utils.checkpoint"] / median["plain"], 3
+                ),
             },
             "guard_cost_us_per_step": round(median["ckptlib"] - median["ckptlib, guards off"], 1),
         }
     return {
         "schema": "ckptlib.guard_cost/1",
-        "environment": {"torch": torch.__version__, "python": platform.python_version(), "threads": 1,
-                        "clock": "process CPU time", "rounds": rounds, "steps_per_round": steps},
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": 1,
+            "clock": "process CPU time",
+            "rounds": rounds,
+            "steps_per_round": steps,
+        },
         "blocks": results,
     }
 
@@ -157,7 +186,9 @@ def table(result: dict) -> str:
         lines.append(f"{block_name}")
         for name, value in numbers["median_us_per_step"].items():
             low, high = numbers["quartiles_us_per_step"][name]
-            lines.append(f"  {name:<24} {value:>10.1f} us per step (quartiles {low:.1f} to {high:.1f})")
+            lines.append(
+                f"  {name:<24} {value:>10.1f} us per step (quartiles {low:.1f} to {high:.1f})"
+            )
         for name, value in numbers["ratios"].items():
             lines.append(f"  {name:<45} {value:.3f}")
         lines.append(f"  guards cost {numbers['guard_cost_us_per_step']:.1f} us per step")
@@ -171,21 +202,29 @@ MARKDOWN_END = "<!-- guard cost: end -->"
 def markdown(result: dict) -> str:
     """The results as a Markdown table: per block, microseconds per step and the ratios."""
     env = result["environment"]
-    lines = [f"torch {env['torch']}, {env['threads']} thread, {env['clock']}, {env['rounds']} interleaved "
-             f"rounds of {env['steps_per_round']} steps; median us per training step of one block "
-             "(quartiles over rounds in brackets).", "",
-             "| block | plain | torch.utils.checkpoint | ckptlib | ckptlib, guards off | ckptlib / torch "
-             "| ckptlib / guards off | guards cost |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"torch {env['torch']}, {env['threads']} thread, {env['clock']}, {env['rounds']} "
+        f"interleaved rounds of {env['steps_per_round']} steps; median us per training step of "
+        "one block (quartiles over rounds in brackets).",
+        "",
+        "| block | plain | torch.utils.checkpoint | ckptlib | ckptlib, guards off "
+        "| ckptlib / torch | ckptlib / guards off | guards cost |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for block_name, numbers in result["blocks"].items():
-        cells = [f"{numbers['median_us_per_step'][name]:.1f} "
-                 f"[{numbers['quartiles_us_per_step'][name][0]:.0f}-{numbers['quartiles_us_per_step'][name][1]:.0f}]"
-                 for name in ("plain", "torch.utils.checkpoint", "ckptlib", "ckptlib, guards off")]
+        cells = [
+            f"{numbers['median_us_per_step'][name]:.1f} "
+            f"[{numbers['quartiles_us_per_step'][name][0]:.0f}-{numbers['quartiles_us_per_step'][name][1]:.0f}]"
+            for name in ("plain", "torch.utils.checkpoint", "ckptlib", "ckptlib, guards off")
+        ]
         ratios = numbers["ratios"]
-        lines.append(f"| {block_name} | " + " | ".join(cells) +
-                     f" | {ratios['ckptlib / torch.utils.checkpoint']:.3f} "
-                     f"| {ratios['ckptlib / ckptlib guards off']:.3f} "
-                     f"| {numbers['guard_cost_us_per_step']:+.1f} us |")
+        lines.append(
+            f"| {block_name} | "
+            + " | ".join(cells)
+            + f" | {ratios['ckptlib / torch.utils.checkpoint']:.3f} "
+            f"| {ratios['ckptlib / ckptlib guards off']:.3f} "
+            f"| {numbers['guard_cost_us_per_step']:+.1f} us |"
+        )
     return "\n".join(lines)
 
 
@@ -193,8 +232,10 @@ def write_markdown(path: Path, result: dict) -> None:
     """Replace the text between the guard-cost markers in ``path`` with :func:`markdown`."""
     text = path.read_text()
     if MARKDOWN_BEGIN not in text or MARKDOWN_END not in text:
-        raise SystemExit(f"{path} has no guard-cost markers ({MARKDOWN_BEGIN} ... {MARKDOWN_END}); add them "
-                         "where the table should go.")
+        raise SystemExit(
+            f"{path} has no guard-cost markers ({MARKDOWN_BEGIN} ... {MARKDOWN_END}); add them "
+            "where the table should go."
+        )
     head, rest = text.split(MARKDOWN_BEGIN, 1)
     _, tail = rest.split(MARKDOWN_END, 1)
     path.write_text(f"{head}{MARKDOWN_BEGIN}\n{markdown(result)}\n{MARKDOWN_END}{tail}")
@@ -203,11 +244,19 @@ def write_markdown(path: Path, result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--steps", type=int, default=20, help="training steps per variant and round")
+    parser.add_argument(
+        "--steps", type=int, default=20, help="training steps per variant and round"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--markdown", type=Path, default=None,
-                        help="write the table between the guard-cost markers of this Markdown file")
-    parser.add_argument("--from-json", type=Path, default=None, help="report a saved run instead of measuring")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="write the table between the guard-cost markers of this Markdown file",
+    )
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="report a saved run instead of measuring"
+    )
     args = parser.parse_args()
     if args.from_json is not None:
         result = json.loads(args.from_json.read_text())

@@ -505,7 +505,7 @@ def _markdown_page(text: str) -> nbformat.NotebookNode:
 def _figures_markdown(figures: list[Path]) -> str:
     parts = ["# Figures", "",
              "Every figure is drawn from ckptlib code by `make figures` "
-             "(`python -m ckptlib.bench --figures figures`)."]
+             "(`python -m benchmarks.bench --figures figures`)."]
     for name in sorted({figure.stem for figure in figures}):
         formats = sorted(figure.suffix[1:] for figure in figures if figure.stem == name)
         shown = f"{name}.svg" if "svg" in formats else f"{name}.{formats[0]}"

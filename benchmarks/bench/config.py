@@ -20,10 +20,11 @@ seed, same batch) and differ only in how activations are kept:
 ``offload``    saved tensors moved to CPU: ``ckptlib.offload`` and
                ``torch.autograd.graph.save_on_cpu``.
 
-Then two sweeps that measure memory only (:mod:`ckptlib.bench.sweeps`).
+Then two sweeps that measure memory only (:mod:`benchmarks.bench.sweeps`).
 ``DEFAULT`` is what ``make bench`` runs, ``QUICK`` a shorter run (``--quick``),
 ``TINY`` a run of a few seconds for tests.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,7 +42,13 @@ from ckptlib._arguments import flag, integer
 from ckptlib.memory import MemoryMeter, format_bytes
 from ckptlib.models import MLPChain, TinyTransformer
 from ckptlib.offload import offload_saved_tensors
-from ckptlib.selective import SelectivePlans, megatron_attention, policy_from_costs, save_matmuls, selective_checkpoint
+from ckptlib.selective import (
+    SelectivePlans,
+    megatron_attention,
+    policy_from_costs,
+    save_matmuls,
+    selective_checkpoint,
+)
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 METER_VARIANTS = {"peak": "plain_metered", "timeline": "plain_metered_timeline"}
@@ -61,16 +68,27 @@ class TransformerSize:
 
     def __post_init__(self) -> None:
         for size in fields(self):
-            integer(getattr(self, size.name), size.name, least=1, where="TransformerSize", range_apart=True)
+            integer(
+                getattr(self, size.name),
+                size.name,
+                least=1,
+                where="TransformerSize",
+                range_apart=True,
+            )
 
     def build(self, device: torch.device, **overrides: Any) -> TinyTransformer:
-        sizes = dict(depth=self.depth, d_model=self.d_model, heads=self.heads, seq=self.seq, vocab=self.vocab)
+        sizes = dict(
+            depth=self.depth, d_model=self.d_model, heads=self.heads, seq=self.seq, vocab=self.vocab
+        )
         return TinyTransformer(**{**sizes, **overrides}).to(device)
 
     def describe(self, depth: int | str | None = None) -> str:
         """``TinyTransformer(depth=8, ...), batch 8``; ``depth`` replaces the depth shown."""
-        return (f"TinyTransformer(depth={self.depth if depth is None else depth}, d_model={self.d_model}, "
-                f"heads={self.heads}, seq={self.seq}, vocab={self.vocab}), batch {self.batch}")
+        return (
+            f"TinyTransformer(depth={self.depth if depth is None else depth}, "
+            f"d_model={self.d_model}, heads={self.heads}, seq={self.seq}, vocab={self.vocab}), "
+            f"batch {self.batch}"
+        )
 
 
 @dataclass(frozen=True)
@@ -85,14 +103,18 @@ class Config:
     """
 
     rounds: int = 15
-    blocks: TransformerSize = TransformerSize(depth=8, d_model=128, heads=4, seq=64, vocab=256, batch=8)
-    selective: TransformerSize = TransformerSize(depth=4, d_model=256, heads=4, seq=256, vocab=256, batch=4)
+    blocks: TransformerSize = TransformerSize(
+        depth=8, d_model=128, heads=4, seq=64, vocab=256, batch=8
+    )
+    selective: TransformerSize = TransformerSize(
+        depth=4, d_model=256, heads=4, seq=256, vocab=256, batch=4
+    )
     depths: tuple[int, ...] = (1, 2, 4, 8, 16)
     scaling_ns: tuple[int, ...] = (16, 32, 64, 128, 256)
     # Narrow and tall: activations (batch x width) dominate the weights (width x width).
     scaling_width: int = 32
     scaling_batch: int = 256
-    clock: str = "wall"       # "wall" (time.perf_counter) or "cpu" (time.process_time); see timing.py
+    clock: str = "wall"  # "wall" (time.perf_counter) or "cpu" (time.process_time); see timing.py
     quick: bool = False
 
     def __post_init__(self) -> None:
@@ -100,12 +122,20 @@ class Config:
         integer(self.rounds, "rounds", least=1, where="Config", range_apart=True)
         for name in ("blocks", "selective"):
             if not isinstance(getattr(self, name), TransformerSize):
-                raise TypeError(f"Config: {name} must be a TransformerSize, got {type(getattr(self, name)).__name__}.")
-        for name, least, why in (("depths", 1, "the depths to sweep"), ("scaling_ns", 2, "a fit needs two n")):
+                raise TypeError(
+                    f"Config: {name} must be a TransformerSize, got "
+                    f"{type(getattr(self, name)).__name__}."
+                )
+        for name, least, why in (
+            ("depths", 1, "the depths to sweep"),
+            ("scaling_ns", 2, "a fit needs two n"),
+        ):
             values = getattr(self, name)
             if not isinstance(values, (tuple, list)) or len(set(values)) < least:
-                raise ValueError(f"Config: {name} must be a tuple of at least {least} different ints "
-                                 f"({why}), got {values!r}.")
+                raise ValueError(
+                    f"Config: {name} must be a tuple of at least {least} different ints "
+                    f"({why}), got {values!r}."
+                )
             for value in values:
                 integer(value, f"each of {name}", least=1, where="Config", range_apart=True)
         integer(self.scaling_width, "scaling_width", least=1, where="Config", range_apart=True)
@@ -117,10 +147,16 @@ class Config:
 
 DEFAULT = Config()
 QUICK = Config(rounds=5, depths=(1, 2, 4, 8), scaling_ns=(16, 32, 64, 128), quick=True)
-TINY = Config(rounds=2, quick=True,
-              blocks=TransformerSize(depth=2, d_model=16, heads=2, seq=8, vocab=32, batch=2),
-              selective=TransformerSize(depth=2, d_model=16, heads=2, seq=8, vocab=32, batch=2),
-              depths=(1, 2), scaling_ns=(4, 9, 16), scaling_width=4, scaling_batch=8)
+TINY = Config(
+    rounds=2,
+    quick=True,
+    blocks=TransformerSize(depth=2, d_model=16, heads=2, seq=8, vocab=32, batch=2),
+    selective=TransformerSize(depth=2, d_model=16, heads=2, seq=8, vocab=32, batch=2),
+    depths=(1, 2),
+    scaling_ns=(4, 9, 16),
+    scaling_width=4,
+    scaling_batch=8,
+)
 """A run of a few seconds, for tests; the numbers mean nothing at this size."""
 
 
@@ -137,7 +173,7 @@ class Variant:
     model: MLPChain | TinyTransformer
     batch: tuple[torch.Tensor, torch.Tensor]
     context: Callable[[], ContextManager] = contextlib.nullcontext
-    metered: str | None = None   # None, "peak" or "timeline"
+    metered: str | None = None  # None, "peak" or "timeline"
 
     def step(self) -> None:
         if self.metered is None:
@@ -159,16 +195,22 @@ class Group:
     title: str
     model: str
     variants: list[Variant]
-    pairs: dict[str, tuple[str, str]] = field(default_factory=dict)   # name -> (numerator, denominator)
-    tradeoffs: dict[str, str] = field(default_factory=dict)           # selective variant -> its full variant
-    notes: dict[str, str] = field(default_factory=dict)               # what else a reader needs (a policy's choice)
+    pairs: dict[str, tuple[str, str]] = field(
+        default_factory=dict
+    )  # name -> (numerator, denominator)
+    tradeoffs: dict[str, str] = field(default_factory=dict)  # selective variant -> its full variant
+    notes: dict[str, str] = field(
+        default_factory=dict
+    )  # what else a reader needs (a policy's choice)
 
 
 class _RunWith(nn.Module):
     """A block run through ``runner(block, x)``: how the bench applies a checkpoint the
     models' ``checkpointing`` switch does not offer (selective policies)."""
 
-    def __init__(self, block: nn.Module, runner: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self, block: nn.Module, runner: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+    ) -> None:
         super().__init__()
         self.block, self.runner = block, runner
 
@@ -176,7 +218,9 @@ class _RunWith(nn.Module):
         return self.runner(self.block, x)
 
 
-def _with_runner(model: TinyTransformer, runner: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> TinyTransformer:
+def _with_runner(
+    model: TinyTransformer, runner: Callable[[nn.Module, torch.Tensor], torch.Tensor]
+) -> TinyTransformer:
     model.blocks = nn.Sequential(*(_RunWith(block, runner) for block in model.blocks))
     return model
 
@@ -185,8 +229,9 @@ def _ckptlib_selective(policy: Any, block: nn.Module, x: torch.Tensor) -> torch.
     return selective_checkpoint(block, x, policy=policy)
 
 
-def _ckptlib_selective_reusing_plans(policy: Any, plans: SelectivePlans, block: nn.Module,
-                                     x: torch.Tensor) -> torch.Tensor:
+def _ckptlib_selective_reusing_plans(
+    policy: Any, plans: SelectivePlans, block: nn.Module, x: torch.Tensor
+) -> torch.Tensor:
     return selective_checkpoint(block, x, policy=policy, plans=plans)
 
 
@@ -208,64 +253,156 @@ def _torch_save_on_cpu(device: torch.device) -> ContextManager:
     return torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
 
 
-def _plain(size: TransformerSize, device: torch.device) -> tuple[TinyTransformer, tuple[torch.Tensor, torch.Tensor]]:
+def _plain(
+    size: TransformerSize, device: torch.device
+) -> tuple[TinyTransformer, tuple[torch.Tensor, torch.Tensor]]:
     """The model every variant of a group is compared with, and the batch they all train on."""
     plain = size.build(device)
     return plain, plain.example_batch(batch=size.batch)
 
 
-def _per_block(size: TransformerSize, device: torch.device, plain: TinyTransformer,
-               batch: tuple[torch.Tensor, torch.Tensor]) -> list[Variant]:
+def _per_block(
+    size: TransformerSize,
+    device: torch.device,
+    plain: TinyTransformer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+) -> list[Variant]:
     """Plain autograd, and torch's and ckptlib's checkpoint around each block."""
     return [
         Variant("plain", "plain autograd", plain, batch),
-        Variant("torch", "torch.utils.checkpoint per block", size.build(device, checkpointing="torch"), batch),
-        Variant("ckptlib", "ckptlib.checkpoint per block", size.build(device, checkpointing="block"), batch),
+        Variant(
+            "torch",
+            "torch.utils.checkpoint per block",
+            size.build(device, checkpointing="torch"),
+            batch,
+        ),
+        Variant(
+            "ckptlib",
+            "ckptlib.checkpoint per block",
+            size.build(device, checkpointing="block"),
+            batch,
+        ),
     ]
 
 
-def _groups(config: Config, device: torch.device) -> list[Group]:
+def build_groups(config: Config, device: torch.device) -> list[Group]:
     size = config.blocks
     plain, batch = _plain(size, device)
-    blocks = Group("blocks", "Per-block checkpointing", size.describe(), [
-        *_per_block(size, device, plain, batch),
-        Variant("sqrt", "checkpoint_sequential, sqrt(n) segments", size.build(device, checkpointing="sqrt"), batch),
-        Variant(METER_VARIANTS["peak"], "plain, under the live-tensor meter", plain, batch, metered="peak"),
-        Variant(METER_VARIANTS["timeline"], "plain, meter recording a timeline", plain, batch, metered="timeline"),
-    ], pairs={"ckptlib_vs_torch": ("ckptlib", "torch")})
+    blocks = Group(
+        "blocks",
+        "Per-block checkpointing",
+        size.describe(),
+        [
+            *_per_block(size, device, plain, batch),
+            Variant(
+                "sqrt",
+                "checkpoint_sequential, sqrt(n) segments",
+                size.build(device, checkpointing="sqrt"),
+                batch,
+            ),
+            Variant(
+                METER_VARIANTS["peak"],
+                "plain, under the live-tensor meter",
+                plain,
+                batch,
+                metered="peak",
+            ),
+            Variant(
+                METER_VARIANTS["timeline"],
+                "plain, meter recording a timeline",
+                plain,
+                batch,
+                metered="timeline",
+            ),
+        ],
+        pairs={"ckptlib_vs_torch": ("ckptlib", "torch")},
+    )
 
     size = config.selective
     plain, batch = _plain(size, device)
     cost_policy = _cost_policy(size, device)
-    selective = Group("selective", "Selective checkpointing", size.describe(), [
-        *_per_block(size, device, plain, batch),
-        Variant("torch_save_matmuls", "torch SAC, save matmuls",
-                _with_runner(size.build(device), partial(_torch_selective, list(save_matmuls))), batch),
-        Variant("ckptlib_save_matmuls", "ckptlib selective, save matmuls",
-                _with_runner(size.build(device), partial(_ckptlib_selective, save_matmuls)), batch),
-        Variant("ckptlib_megatron", "ckptlib selective, Megatron attention",
-                _with_runner(size.build(device), partial(_ckptlib_selective, megatron_attention)), batch),
-        Variant("ckptlib_cost_policy", "ckptlib selective, policy from measured op costs",
-                _with_runner(size.build(device), partial(_ckptlib_selective, cost_policy)), batch),
-        Variant("ckptlib_cost_policy_plans", "ckptlib selective, that policy, plans reused (SelectivePlans)",
-                _with_runner(size.build(device), partial(_ckptlib_selective_reusing_plans, cost_policy,
-                                                         SelectivePlans())), batch),
-    ], pairs={"ckptlib_vs_torch": ("ckptlib", "torch"),
-              "ckptlib_vs_torch_save_matmuls": ("ckptlib_save_matmuls", "torch_save_matmuls")},
-        tradeoffs={"torch_save_matmuls": "torch", "ckptlib_save_matmuls": "ckptlib",
-                   "ckptlib_megatron": "ckptlib", "ckptlib_cost_policy": "ckptlib",
-                   "ckptlib_cost_policy_plans": "ckptlib"},
-        notes={"cost policy keeps": ", ".join(f"`{call}`" for call in sorted(map(str, cost_policy.chosen)))
-               + f" ({format_bytes(cost_policy.used_bytes)} per block)"})
+    selective = Group(
+        "selective",
+        "Selective checkpointing",
+        size.describe(),
+        [
+            *_per_block(size, device, plain, batch),
+            Variant(
+                "torch_save_matmuls",
+                "torch SAC, save matmuls",
+                _with_runner(size.build(device), partial(_torch_selective, list(save_matmuls))),
+                batch,
+            ),
+            Variant(
+                "ckptlib_save_matmuls",
+                "ckptlib selective, save matmuls",
+                _with_runner(size.build(device), partial(_ckptlib_selective, save_matmuls)),
+                batch,
+            ),
+            Variant(
+                "ckptlib_megatron",
+                "ckptlib selective, Megatron attention",
+                _with_runner(size.build(device), partial(_ckptlib_selective, megatron_attention)),
+                batch,
+            ),
+            Variant(
+                "ckptlib_cost_policy",
+                "ckptlib selective, policy from measured op costs",
+                _with_runner(size.build(device), partial(_ckptlib_selective, cost_policy)),
+                batch,
+            ),
+            Variant(
+                "ckptlib_cost_policy_plans",
+                "ckptlib selective, that policy, plans reused (SelectivePlans)",
+                _with_runner(
+                    size.build(device),
+                    partial(_ckptlib_selective_reusing_plans, cost_policy, SelectivePlans()),
+                ),
+                batch,
+            ),
+        ],
+        pairs={
+            "ckptlib_vs_torch": ("ckptlib", "torch"),
+            "ckptlib_vs_torch_save_matmuls": ("ckptlib_save_matmuls", "torch_save_matmuls"),
+        },
+        tradeoffs={
+            "torch_save_matmuls": "torch",
+            "ckptlib_save_matmuls": "ckptlib",
+            "ckptlib_megatron": "ckptlib",
+            "ckptlib_cost_policy": "ckptlib",
+            "ckptlib_cost_policy_plans": "ckptlib",
+        },
+        notes={
+            "cost policy keeps": ", ".join(
+                f"`{call}`" for call in sorted(map(str, cost_policy.chosen))
+            )
+            + f" ({format_bytes(cost_policy.used_bytes)} per block)"
+        },
+    )
 
     size = config.blocks
     plain, batch = _plain(size, device)
-    offload = Group("offload", "Offloading saved tensors to CPU", size.describe(), [
-        Variant("plain", "plain autograd", plain, batch),
-        Variant("torch_save_on_cpu", "torch.autograd.graph.save_on_cpu", size.build(device), batch,
-                context=partial(_torch_save_on_cpu, device)),
-        Variant("ckptlib_offload", "ckptlib.offload.offload_saved_tensors", size.build(device), batch,
-                context=offload_saved_tensors),
-    ], pairs={"ckptlib_vs_torch": ("ckptlib_offload", "torch_save_on_cpu")})
+    offload = Group(
+        "offload",
+        "Offloading saved tensors to CPU",
+        size.describe(),
+        [
+            Variant("plain", "plain autograd", plain, batch),
+            Variant(
+                "torch_save_on_cpu",
+                "torch.autograd.graph.save_on_cpu",
+                size.build(device),
+                batch,
+                context=partial(_torch_save_on_cpu, device),
+            ),
+            Variant(
+                "ckptlib_offload",
+                "ckptlib.offload.offload_saved_tensors",
+                size.build(device),
+                batch,
+                context=offload_saved_tensors,
+            ),
+        ],
+        pairs={"ckptlib_vs_torch": ("ckptlib_offload", "torch_save_on_cpu")},
+    )
     return [blocks, selective, offload]
-

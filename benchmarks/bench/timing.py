@@ -1,4 +1,5 @@
-"""The interleaved timing loop: one group's variants measured for peak memory, then timed round by round.
+"""The interleaved timing loop: one group's variants measured for peak memory, then timed round
+by round.
 
 Design notes
 ============
@@ -36,13 +37,14 @@ activation) back to the operating system when they are freed, and the next
 allocation of that size takes fresh pages, which the kernel zeroes on first
 touch. Checkpointing variants free and reallocate more than plain autograd, so
 with the default settings a CPU timing partly measures page faults, and varies
-with whatever freed memory a variant happens to find. ``python -m ckptlib.bench``
+with whatever freed memory a variant happens to find. ``python -m benchmarks.bench``
 therefore asks glibc (``mallopt``) to keep freed memory for reuse, as jemalloc
 and tcmalloc do (PyTorch's CPU performance guide recommends those allocators).
 Every variant runs under the same setting, which is recorded as ``allocator``
 in the results; ``--system-malloc`` leaves glibc as it is.
 
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,10 +58,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ckptlib.bench.config import CLOCKS, Config, Group, Variant
-from ckptlib.bench.progress import _Progress
-from ckptlib.bench.stats import median_and_iqr, paid_interval, ratio, selective_tradeoff
+from benchmarks.bench.config import CLOCKS, Config, Group, Variant
+from benchmarks.bench.progress import Ticker
+from benchmarks.bench.stats import median_and_iqr, paid_interval, ratio, selective_tradeoff
 from ckptlib.memory import MemoryMeter, TimelineEntry
+
 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -87,7 +90,9 @@ def _timed(step: Callable[[], Any], device: torch.device, clock: Callable[[], fl
         return clock() - start
 
 
-def _peak(variant: Variant, device: torch.device, backend: str = "auto") -> tuple[int, list[TimelineEntry]]:
+def measure_peak(
+    variant: Variant, device: torch.device, backend: str = "auto"
+) -> tuple[int, list[TimelineEntry]]:
     """Peak bytes of one step, gradients allocated inside it (see "How it measures")."""
     variant.model.zero_grad(set_to_none=True)
     with MemoryMeter(device, backend=backend) as meter:
@@ -95,17 +100,22 @@ def _peak(variant: Variant, device: torch.device, backend: str = "auto") -> tupl
     return meter.peak_bytes, meter.timeline
 
 
-def _run_group(group: Group, config: Config, device: torch.device, progress: _Progress,
-               timelines: dict[str, list[TimelineEntry]]) -> dict[str, Any]:
+def run_group(
+    group: Group,
+    config: Config,
+    device: torch.device,
+    progress: Ticker,
+    timelines: dict[str, list[TimelineEntry]],
+) -> dict[str, Any]:
     for variant in group.variants:
-        variant.step()                                   # warm-up: lazy initialisation, caches
+        variant.step()  # warm-up: lazy initialisation, caches
         progress.tick(f"{group.name}: warm-up {variant.name}")
     peaks: dict[str, int | None] = {}
     for variant in group.variants:
         if variant.metered is not None:
             peaks[variant.name] = None
             continue
-        peaks[variant.name], timeline = _peak(variant, device)
+        peaks[variant.name], timeline = measure_peak(variant, device)
         timelines[f"{group.name}/{variant.name}"] = timeline
         progress.tick(f"{group.name}: memory {variant.name}")
     times: dict[str, list[float]] = {variant.name: [] for variant in group.variants}
@@ -117,7 +127,9 @@ def _run_group(group: Group, config: Config, device: torch.device, progress: _Pr
     return summarise_group(group, peaks, times)
 
 
-def summarise_group(group: Group, peaks: dict[str, int | None], times: dict[str, list[float]]) -> dict[str, Any]:
+def summarise_group(
+    group: Group, peaks: dict[str, int | None], times: dict[str, list[float]]
+) -> dict[str, Any]:
     """The JSON record of one group from its measurements: per variant the peak and the
     median step time with its IQR; the ratios to ``plain``; the group's pairs and trade-offs.
 
@@ -127,10 +139,13 @@ def summarise_group(group: Group, peaks: dict[str, int | None], times: dict[str,
     >>> group = Group("g", "A group", "a model", [Variant("plain", "plain", None, None),
     ...                                           Variant("ckptlib", "ckptlib", None, None)],
     ...               pairs={"ckptlib_vs_plain": ("ckptlib", "plain")})
-    >>> record = summarise_group(group, {"plain": 100, "ckptlib": 40}, {"plain": [1.0], "ckptlib": [1.5]})
-    >>> record["variants"]["ckptlib"]["memory_vs_plain"], record["pairs"]["ckptlib_vs_plain"]["time"]
+    >>> record = summarise_group(group, {"plain": 100, "ckptlib": 40},
+    ...                          {"plain": [1.0], "ckptlib": [1.5]})
+    >>> variants, pairs = record["variants"], record["pairs"]
+    >>> variants["ckptlib"]["memory_vs_plain"], pairs["ckptlib_vs_plain"]["time"]
     (0.4, 1.5)
     """
+
     def time_ratio(numerator: str, denominator: str) -> tuple[float, float]:
         return median_and_iqr([a / b for a, b in zip(times[numerator], times[denominator])])
 
@@ -148,17 +163,32 @@ def summarise_group(group: Group, peaks: dict[str, int | None], times: dict[str,
             "time_vs_plain": time_vs_plain,
             "time_vs_plain_iqr": time_vs_plain_iqr,
         }
-    pairs = {name: {"numerator": a, "denominator": b,
-                    "memory": ratio(variants[a]["peak_bytes"], variants[b]["peak_bytes"]),
-                    "time": time_ratio(a, b)[0]}
-             for name, (a, b) in group.pairs.items()}
+    pairs = {
+        name: {
+            "numerator": a,
+            "denominator": b,
+            "memory": ratio(variants[a]["peak_bytes"], variants[b]["peak_bytes"]),
+            "time": time_ratio(a, b)[0],
+        }
+        for name, (a, b) in group.pairs.items()
+    }
     point = {name: (v["peak_bytes"], v["time_vs_plain"]) for name, v in variants.items()}
-    tradeoffs = {name: {"full": full, **selective_tradeoff(point["plain"], point[full], point[name]),
-                        "extra_time_paid_interval": paid_interval(times, name, full)}
-                 for name, full in group.tradeoffs.items()}
-    return {"title": group.title, "model": group.model, "variants": variants, "pairs": pairs,
-            "tradeoffs": tradeoffs, "notes": dict(group.notes)}
-
+    tradeoffs = {
+        name: {
+            "full": full,
+            **selective_tradeoff(point["plain"], point[full], point[name]),
+            "extra_time_paid_interval": paid_interval(times, name, full),
+        }
+        for name, full in group.tradeoffs.items()
+    }
+    return {
+        "title": group.title,
+        "model": group.model,
+        "variants": variants,
+        "pairs": pairs,
+        "tradeoffs": tradeoffs,
+        "notes": dict(group.notes),
+    }
 
 
 _allocator_setting = "system default"
@@ -173,7 +203,7 @@ def keep_freed_memory() -> str:
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
             mallopt = libc.mallopt
-        except (OSError, AttributeError):   # musl and other libcs without mallopt
+        except (OSError, AttributeError):  # musl and other libcs without mallopt
             return _allocator_setting
         m_trim_threshold, m_mmap_threshold = -1, -3
         if mallopt(m_mmap_threshold, 1 << 30) == 1 and mallopt(m_trim_threshold, 2**31 - 1) == 1:
@@ -181,11 +211,23 @@ def keep_freed_memory() -> str:
     return _allocator_setting
 
 
-def _environment(config: Config, device: torch.device) -> dict[str, Any]:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    return {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "device": str(device), "device_name": name, "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(), "meter": "allocator" if device.type == "cuda" else "tensors",
-            "rounds": config.rounds, "clock": config.clock, "quick": config.quick,
-            "allocator": _allocator_setting}
-
+def describe_environment(config: Config, device: torch.device) -> dict[str, Any]:
+    name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine()
+    )
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": name,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "meter": "allocator" if device.type == "cuda" else "tensors",
+        "rounds": config.rounds,
+        "clock": config.clock,
+        "quick": config.quick,
+        "allocator": _allocator_setting,
+    }

@@ -1,11 +1,16 @@
-"""A text progress bar for a run that takes minutes: one redrawn line on a terminal, a line per 10% in a log."""
+"""A text progress bar for a run that takes minutes: one redrawn line on a terminal, a line per
+10% in a log."""
+
 from __future__ import annotations
 
 import sys
 import time
 from typing import TextIO
 
-def format_bar(done: int, total: int, label: str = "", width: int = 24, elapsed_s: float | None = None) -> str:
+
+def format_bar(
+    done: int, total: int, label: str = "", width: int = 24, elapsed_s: float | None = None
+) -> str:
     """One line of a text progress bar.
 
     >>> format_bar(3, 12, "blocks: torch", width=8, elapsed_s=65)
@@ -13,7 +18,8 @@ def format_bar(done: int, total: int, label: str = "", width: int = 24, elapsed_
     """
     fraction = min(max(done / total, 0.0), 1.0) if total > 0 else 1.0
     filled = int(round(fraction * width))
-    line = f"[{'#' * filled}{'-' * (width - filled)}] {fraction * 100:3.0f}% {done:>{len(str(total))}}/{total}"
+    line = (f"[{'#' * filled}{'-' * (width - filled)}] {fraction * 100:3.0f}% "
+            f"{done:>{len(str(total))}}/{total}")
     if elapsed_s is not None:
         minutes, seconds = divmod(int(elapsed_s), 60)
         line += f" {minutes:02d}:{seconds:02d}"
@@ -45,7 +51,9 @@ class ProgressBar:
 
     def advance(self, label: str = "", steps: int = 1) -> None:
         self.done = min(self.done + steps, self.total)
-        line = format_bar(self.done, self.total, label, self.width, time.perf_counter() - self.started)
+        line = format_bar(
+            self.done, self.total, label, self.width, time.perf_counter() - self.started
+        )
         if self.interactive:
             self.stream.write("\r" + line.ljust(100)[:100])
         else:
@@ -62,8 +70,7 @@ class ProgressBar:
             self.stream.flush()
 
 
-
-class _Progress:
+class Ticker:
     """The bar, or nothing: lets the measuring code call ``tick`` unconditionally."""
 
     def __init__(self, bar: ProgressBar | None) -> None:
@@ -72,4 +79,3 @@ class _Progress:
     def tick(self, label: str) -> None:
         if self.bar is not None:
             self.bar.advance(label)
-
