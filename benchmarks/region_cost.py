@@ -26,6 +26,7 @@ contexts: ``ckptlib, hooks only`` minus ``floor``), RNG, keys, guards. Timing: o
 thread, this process's CPU time, the median over rounds with quartiles. On a shared machine a
 difference inside the quartiles is noise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -106,7 +107,9 @@ def _guards_off() -> Iterator[None]:
         guards.Guards = original
 
 
-def _ckptlib(rng: bool, keys: bool, guarded: bool) -> Callable[[], contextlib.AbstractContextManager]:
+def _ckptlib(
+    rng: bool, keys: bool, guarded: bool
+) -> Callable[[], contextlib.AbstractContextManager]:
     check = "default" if keys else "none"
 
     def run(fn, x):
@@ -124,14 +127,15 @@ def _with(context: contextlib.AbstractContextManager, run: Callable) -> Iterator
 VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     "plain": lambda: contextlib.nullcontext(lambda fn, x: fn(x)),
     "torch.utils.checkpoint": lambda: contextlib.nullcontext(
-        lambda fn, x: torch_checkpoint(fn, x, use_reentrant=False)),
+        lambda fn, x: torch_checkpoint(fn, x, use_reentrant=False)
+    ),
     "floor": lambda: contextlib.nullcontext(floor_checkpoint),
     "ckptlib, hooks only": _ckptlib(rng=False, keys=False, guarded=False),
     "+ RNG": _ckptlib(rng=True, keys=False, guarded=False),
     "+ keys": _ckptlib(rng=True, keys=True, guarded=False),
     "ckptlib": _ckptlib(rng=True, keys=True, guarded=True),
 }
-PARTS = {   # breakdown row -> (variant, the variant it is measured against)
+PARTS = {  # breakdown row -> (variant, the variant it is measured against)
     "floor (hooks, one rerun)": ("floor", "plain"),
     "Python: frame, holders, contexts": ("ckptlib, hooks only", "floor"),
     "RNG capture and replay": ("+ RNG", "ckptlib, hooks only"),
@@ -148,8 +152,11 @@ def workloads() -> dict[str, tuple[Callable, torch.Tensor, int]]:
     return {
         "tiny region (sin of 4 numbers)": (torch.sin, torch.randn(4), 200),
         "MLPChain block (width 256, batch 8)": (mlp.blocks[0], torch.randn(8, 256), 20),
-        "TinyTransformer block (d_model 128, seq 64, batch 8)": (transformer.blocks[0],
-                                                                 torch.randn(8, 64, 128), 10),
+        "TinyTransformer block (d_model 128, seq 64, batch 8)": (
+            transformer.blocks[0],
+            torch.randn(8, 64, 128),
+            10,
+        ),
     }
 
 
@@ -162,7 +169,7 @@ def measure(rounds: int) -> dict:
     results = {}
     names = list(VARIANTS)
     for workload, (fn, x, steps) in workloads().items():
-        for name in names:   # warm up
+        for name in names:  # warm up
             with VARIANTS[name]() as run:
                 for _ in range(5):
                     step(run, fn, x)
@@ -180,19 +187,33 @@ def measure(rounds: int) -> dict:
         cost = {name: median[name] - median["plain"] for name in names if name != "plain"}
         results[workload] = {
             "median_us_per_step": {name: round(value, 1) for name, value in median.items()},
-            "quartiles_us_per_step": {name: [round(q[0], 1), round(q[2], 1)] for name, q in quartiles.items()},
+            "quartiles_us_per_step": {
+                name: [round(q[0], 1), round(q[2], 1)] for name, q in quartiles.items()
+            },
             "cost_us": {name: round(value, 1) for name, value in cost.items()},
-            "breakdown_us": {part: round(median[a] - median[b], 1) for part, (a, b) in PARTS.items()},
+            "breakdown_us": {
+                part: round(median[a] - median[b], 1) for part, (a, b) in PARTS.items()
+            },
             "ratios": {
-                "ckptlib cost / torch cost": round(cost["ckptlib"] / cost["torch.utils.checkpoint"], 3),
+                "ckptlib cost / torch cost": round(
+                    cost["ckptlib"] / cost["torch.utils.checkpoint"], 3
+                ),
                 "floor cost / torch cost": round(cost["floor"] / cost["torch.utils.checkpoint"], 3),
-                "ckptlib step / torch step": round(median["ckptlib"] / median["torch.utils.checkpoint"], 3),
+                "ckptlib step / torch step": round(
+                    median["ckptlib"] / median["torch.utils.checkpoint"], 3
+                ),
             },
         }
     return {
         "schema": "ckptlib.region_cost/1",
-        "environment": {"torch": torch.__version__, "python": platform.python_version(), "threads": 1,
-                        "clock": "process CPU time", "rounds": rounds, "machine": platform.machine()},
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": 1,
+            "clock": "process CPU time",
+            "rounds": rounds,
+            "machine": platform.machine(),
+        },
         "workloads": results,
     }
 
@@ -203,7 +224,9 @@ def table(result: dict) -> str:
         lines.append(workload)
         for name, value in numbers["median_us_per_step"].items():
             low, high = numbers["quartiles_us_per_step"][name]
-            extra = f"   cost {numbers['cost_us'][name]:+8.1f} us" if name in numbers["cost_us"] else ""
+            extra = (
+                f"   cost {numbers['cost_us'][name]:+8.1f} us" if name in numbers["cost_us"] else ""
+            )
             lines.append(f"  {name:<26} {value:>9.1f} us per step ({low:.1f} to {high:.1f}){extra}")
         lines.append("  breakdown of ckptlib's cost:")
         for part, value in numbers["breakdown_us"].items():
@@ -219,22 +242,50 @@ MARKDOWN_END = "<!-- region cost: end -->"
 
 def markdown(result: dict) -> str:
     env = result["environment"]
-    head = [f"torch {env['torch']}, {env['threads']} thread, {env['clock']}, {env['rounds']} interleaved "
-            "rounds; cost = median step time minus the plain step's, in us (quartiles of the step times "
-            "in brackets).", ""]
-    columns = ["torch.utils.checkpoint", "floor", "ckptlib, hooks only", "+ RNG", "+ keys", "ckptlib"]
-    lines = head + ["| workload | " + " | ".join(columns) + " | ckptlib / torch | floor / torch |",
-                    "| --- |" + " ---: |" * (len(columns) + 2)]
+    head = [
+        f"torch {env['torch']}, {env['threads']} thread, {env['clock']}, {env['rounds']} interleaved "
+        "rounds; cost = median step time minus the plain step's, in us (quartiles of the step times "
+        "in brackets).",
+        "",
+    ]
+    columns = [
+        "torch.utils.checkpoint",
+        "floor",
+        "ckptlib, hooks only",
+        "+ RNG",
+        "+ keys",
+        "ckptlib",
+    ]
+    lines = head + [
+        "| workload | " + " | ".join(columns) + " | ckptlib / torch | floor / torch |",
+        "| --- |" + " ---: |" * (len(columns) + 2),
+    ]
     for workload, numbers in result["workloads"].items():
-        cells = [f"{numbers['cost_us'][name]:+.1f} [{numbers['quartiles_us_per_step'][name][0]:.0f}-"
-                 f"{numbers['quartiles_us_per_step'][name][1]:.0f}]" for name in columns]
+        cells = [
+            f"{numbers['cost_us'][name]:+.1f} [{numbers['quartiles_us_per_step'][name][0]:.0f}-"
+            f"{numbers['quartiles_us_per_step'][name][1]:.0f}]"
+            for name in columns
+        ]
         ratios = numbers["ratios"]
-        lines.append(f"| {workload} | " + " | ".join(cells) + f" | {ratios['ckptlib cost / torch cost']:.3f} "
-                     f"| {ratios['floor cost / torch cost']:.3f} |")
-    lines += ["", "Breakdown of ckptlib's cost per region (us):", "",
-              "| workload | " + " | ".join(PARTS) + " |", "| --- |" + " ---: |" * len(PARTS)]
+        lines.append(
+            f"| {workload} | "
+            + " | ".join(cells)
+            + f" | {ratios['ckptlib cost / torch cost']:.3f} "
+            f"| {ratios['floor cost / torch cost']:.3f} |"
+        )
+    lines += [
+        "",
+        "Breakdown of ckptlib's cost per region (us):",
+        "",
+        "| workload | " + " | ".join(PARTS) + " |",
+        "| --- |" + " ---: |" * len(PARTS),
+    ]
     for workload, numbers in result["workloads"].items():
-        lines.append(f"| {workload} | " + " | ".join(f"{v:+.1f}" for v in numbers["breakdown_us"].values()) + " |")
+        lines.append(
+            f"| {workload} | "
+            + " | ".join(f"{v:+.1f}" for v in numbers["breakdown_us"].values())
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -242,8 +293,10 @@ def write_markdown(path: Path, result: dict) -> None:
     """Replace the text between the region-cost markers in ``path`` with :func:`markdown`."""
     text = path.read_text()
     if MARKDOWN_BEGIN not in text or MARKDOWN_END not in text:
-        raise SystemExit(f"{path} has no region-cost markers ({MARKDOWN_BEGIN} ... {MARKDOWN_END}); add "
-                         "them where the table should go.")
+        raise SystemExit(
+            f"{path} has no region-cost markers ({MARKDOWN_BEGIN} ... {MARKDOWN_END}); add "
+            "them where the table should go."
+        )
     head, rest = text.split(MARKDOWN_BEGIN, 1)
     _, tail = rest.split(MARKDOWN_END, 1)
     path.write_text(f"{head}{MARKDOWN_BEGIN}\n{markdown(result)}\n{MARKDOWN_END}{tail}")
@@ -253,9 +306,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--markdown", type=Path, default=None,
-                        help="write the tables between the region-cost markers of this Markdown file")
-    parser.add_argument("--from-json", type=Path, default=None, help="report a saved run instead of measuring")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="write the tables between the region-cost markers of this Markdown file",
+    )
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="report a saved run instead of measuring"
+    )
     args = parser.parse_args(argv)
     result = json.loads(args.from_json.read_text()) if args.from_json else measure(args.rounds)
     print(table(result))

@@ -1,6 +1,7 @@
 """The library's layers hold: no import cycles, no imports hidden in functions, no private names
 borrowed across modules. Parsed from the source (``ast``), so a violation fails here with its file
 and line, whatever is imported at run time."""
+
 from __future__ import annotations
 
 import ast
@@ -36,7 +37,9 @@ def _imports(module: str) -> list[tuple[ast.stmt, str, list[str], bool]]:
 
     def visit(node: ast.AST, in_function: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            inner = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            inner = in_function or isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+            )
             if isinstance(child, ast.Import):
                 for alias in child.names:
                     if alias.name.split(".")[0] == "ckptlib":
@@ -46,7 +49,7 @@ def _imports(module: str) -> list[tuple[ast.stmt, str, list[str], bool]]:
                 if target.split(".")[0] == "ckptlib":
                     for alias in child.names:
                         submodule = f"{target}.{alias.name}"
-                        if submodule in MODULES:           # `from ckptlib import rng`: the module
+                        if submodule in MODULES:  # `from ckptlib import rng`: the module
                             found.append((child, submodule, [], in_function))
                         else:
                             found.append((child, target, [alias.name], in_function))
@@ -63,8 +66,12 @@ def _edges() -> dict[str, set[str]]:
     for module in MODULES:
         targets = set()
         for _, target, _, in_function in _imports(module):
-            if not in_function and target in MODULES and not module.startswith(target + ".") \
-                    and target != module:
+            if (
+                not in_function
+                and target in MODULES
+                and not module.startswith(target + ".")
+                and target != module
+            ):
                 targets.add(target)
         graph[module] = targets
     return graph
@@ -78,7 +85,7 @@ def test_no_import_cycles():
         state[module] = "open"
         for target in sorted(graph[module]):
             if state.get(target) == "open":
-                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+                cycles.append(" -> ".join(path[path.index(target) :] + [target]))
             elif target not in state:
                 visit(target, path + [target])
         state[module] = "done"
@@ -92,23 +99,37 @@ def test_no_import_cycles():
 def test_no_ckptlib_imports_inside_functions():
     """A function-level import of a ckptlib module hides a cycle; heavy optional packages
     (matplotlib, ipywidgets, transformers, graphviz) may still be imported lazily."""
-    hidden = [f"{MODULES[module].relative_to(ROOT.parent)}:{statement.lineno} imports {target}"
-              for module in MODULES for statement, target, _, in_function in _imports(module) if in_function]
+    hidden = [
+        f"{MODULES[module].relative_to(ROOT.parent)}:{statement.lineno} imports {target}"
+        for module in MODULES
+        for statement, target, _, in_function in _imports(module)
+        if in_function
+    ]
     assert not hidden, "imports inside functions:\n" + "\n".join(hidden)
 
 
 def test_no_private_names_borrowed_across_modules():
-    borrowed = [f"{MODULES[module].relative_to(ROOT.parent)}:{statement.lineno} takes {name} from {target}"
-                for module in MODULES for statement, target, names, _ in _imports(module)
-                for name in names if name.startswith("_") and not name.startswith("__") and target != module]
+    borrowed = [
+        f"{MODULES[module].relative_to(ROOT.parent)}:{statement.lineno} takes {name} from {target}"
+        for module in MODULES
+        for statement, target, names, _ in _imports(module)
+        for name in names
+        if name.startswith("_") and not name.startswith("__") and target != module
+    ]
     assert not borrowed, "private names imported from another module:\n" + "\n".join(borrowed)
 
 
-@pytest.mark.parametrize("package", ["ckptlib.core", "ckptlib.graph", "ckptlib.selective",
-                                     "ckptlib.schedules", "ckptlib.widgets"])
+@pytest.mark.parametrize(
+    "package",
+    ["ckptlib.core", "ckptlib.graph", "ckptlib.selective", "ckptlib.schedules", "ckptlib.widgets"],
+)
 def test_packages_have_a_reading_order(package):
     """Each package's ``__init__`` docstring names its modules (where to start reading)."""
     doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
-    members = [m.rpartition(".")[2] for m in MODULES if m.startswith(package + ".") and m.count(".") == package.count(".") + 1]
+    members = [
+        m.rpartition(".")[2]
+        for m in MODULES
+        if m.startswith(package + ".") and m.count(".") == package.count(".") + 1
+    ]
     missing = [m for m in members if not m.startswith("_") and m not in doc]
     assert not missing, f"{package}/__init__.py does not mention {missing}"
