@@ -17,23 +17,26 @@ Around it:
   ``record_trace()``: a ``pack`` event with the region and index;
 * after each call, the nodes made since the saves it caused are read back
   (autograd numbers nodes as it makes them: ``node._sequence_nr()``; the walk
-  from the call's outputs stops at older ones). Reading ``node._saved_mat1``
-  goes through the unpack hook, which tells which recorded tensor it was; for
-  dropped tensors ``ckptlib.checkpoint.peek_saved`` answers with the region and
-  index, without recomputing anything. That names the node and the attribute.
+  from the call's outputs stops at older ones). Each saved tensor's box holds
+  what the pack hook stored: this recorder's own record of the save, or, for a
+  tensor a checkpoint dropped, the checkpoint's handle, whose region and index
+  ``ckptlib.checkpoint.peek_saved`` tells without recomputing anything. That
+  names the node and the attribute.
 
 A Python number in an op (``x * 0.5``) is saved as a 0-dim tensor that
 autograd never passes to saved-tensor hooks: the walk below lists it, recording
 cannot (8 bytes each).
 
 ``saved_tensors_report(outputs)`` walks a graph that already exists, from the
-outputs' ``grad_fn`` through ``next_functions``, and reads every ``_saved_*``
-attribute the same way. It cannot know modules or functions, nor which dropped
+outputs' ``grad_fn`` through ``next_functions``, and reads every saved tensor the
+same way: both use :mod:`ckptlib.autograd_walk`, the walker ``ckptlib.graph``
+draws with. It cannot know modules or functions, nor which dropped
 tensors shared a storage or were parameters (only their shape and dtype were
 kept: such rows have kind "unknown" and each counts on its own, so
-``dropped_bytes`` is an upper bound there); tensors saved under
-another hook (``torch.utils.checkpoint``) are unpacked by that hook, which for
-torch's checkpoint means a recomputation.
+``dropped_bytes`` is an upper bound there). Tensors ``torch.utils.checkpoint``
+dropped are recognised without unpacking them (a recomputation, for that
+checkpoint): "dropped" rows of region ``torch.utils.checkpoint#0``. Tensors saved
+under any other hook are unpacked by that hook.
 
 Counting
 ========
@@ -56,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence, Union
@@ -68,7 +70,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ckptlib._arguments import function, got, integer
-from ckptlib.checkpoint import CheckpointTrace, is_recomputing, peek_saved, record_trace
+from ckptlib.autograd_walk import SavedRecord, read_saved, walk
+from ckptlib.checkpoint import CheckpointTrace, is_recomputing, record_trace
 from ckptlib.memory import format_bytes
 
 __all__ = ["SavedTensor", "SavedTensorsReport", "ModuleTotals", "record_saved", "saved_tensors_report"]
@@ -223,37 +226,8 @@ class SavedTensorsReport:
 
 
 # ---------------------------------------------------------------------------
-# Shared by both ways: reading a node's saved tensors without recomputing
+# Shared by both ways (reading saved tensors is ckptlib.autograd_walk's)
 # ---------------------------------------------------------------------------
-
-
-def _saved_attributes(node: Any) -> list[str]:
-    """``["_saved_mat1", ...]``; ``saved_tensors`` for a custom ``autograd.Function``."""
-    names = [name for name in dir(node) if name.startswith("_saved_")]
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
-        names.append("saved_tensors")
-    return names
-
-
-def _read(node: Any, attribute: str) -> list[Any]:
-    """The values behind one saved attribute (a list attribute gives several); [] once freed."""
-    try:
-        value = getattr(node, attribute)
-    except RuntimeError:  # freed by a backward pass that did not retain the graph
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _nodes(roots: Sequence[Any], first: int = 0) -> Iterator[Any]:
-    """Breadth-first over the graph from ``roots``, only nodes with ``_sequence_nr() >= first``."""
-    queue, seen = deque(roots), set()
-    while queue:
-        node = queue.popleft()
-        if node is None or node in seen or node._sequence_nr() < first:
-            continue
-        seen.add(node)
-        yield node
-        queue.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _grad_fns(value: Any) -> list[Any]:
@@ -287,9 +261,10 @@ def _region_label(labels: dict[str, str], region: str) -> str:
     return labels[region]
 
 
-def _attribute_label(attribute: str, position: int, count: int) -> str:
-    label = attribute.removeprefix("_saved_")
-    return f"{label}[{position}]" if count > 1 else label
+def _attribute_label(record: SavedRecord) -> str:
+    """The attribute a row names: ``"mat1"``, ``"saved_tensors"``, ``"tensors[1]"`` in a list of several."""
+    label = record.attribute.removeprefix("_saved_")
+    return f"{label}[{record.index}]" if record.count > 1 else label
 
 
 # ---------------------------------------------------------------------------
@@ -334,7 +309,6 @@ class _Recorder(TorchFunctionMode):
         self.trace = trace
         self.saves: list[_Save] = []
         self.dropped: dict[tuple[str, int], _Save] = {}   # (region, index) -> save
-        self.unpacked: list[_Save] = []                    # filled by unpack while naming
         self.module_path: list[str] = []
         self.module_names: dict[nn.Module, str] = {}
         self.state: dict[StorageWeakRef, str] = {}         # parameter/buffer storages -> kind
@@ -380,10 +354,7 @@ class _Recorder(TorchFunctionMode):
         return _Packed(detached, self.record(tensor, "kept")) if self.recording() else detached
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _Packed):
-            self.unpacked.append(packed.save)
-            return packed.tensor
-        return packed
+        return packed.tensor if isinstance(packed, _Packed) else packed
 
     def pack_under(self, inner_pack: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> Any:
         """Pack for the hook that is on top (a checkpoint's), noting what it did with the tensor."""
@@ -421,19 +392,20 @@ class _Recorder(TorchFunctionMode):
         self.named_upto = len(self.saves)
         if not new or any(save.status == "hooked" for save in new):
             return  # nothing to name, or a foreign hook whose unpack might recompute
-        with peek_saved() as peek:
-            for node in _nodes(_grad_fns(out), first=min(save.seq for save in new)):
-                for attribute in _saved_attributes(node):
-                    self.unpacked.clear()
-                    values = _read(node, attribute)
-                    info = peek.take()
-                    found = list(self.unpacked)
-                    if info is not None and (info.region, info.index) in self.dropped:
-                        found.append(self.dropped[(info.region, info.index)])
-                    for position, save in enumerate(found):
-                        save.node = node.name()
-                        save.attribute = _attribute_label(attribute, position, len(values))
-        self.unpacked.clear()
+        for node in walk(_grad_fns(out), first=min(save.seq for save in new)).nodes:
+            for record in read_saved(node):
+                save = self.save_of(record)
+                if save is not None:
+                    save.node, save.attribute = node.name(), _attribute_label(record)
+
+    def save_of(self, record: SavedRecord) -> _Save | None:
+        """The recorded save behind a saved tensor: what this recorder's pack stored, or what a
+        checkpoint dropped (known by its region and index)."""
+        if isinstance(record.packed, _Packed):
+            return record.packed.save
+        if record.info is not None:
+            return self.dropped.get((record.info.region, record.info.index))
+        return None
 
     # -- the report -----------------------------------------------------------
     def finish(self) -> list[SavedTensor]:
@@ -552,34 +524,33 @@ def _check_model(model: Any, where: str) -> None:
 
 
 def _walk_report(roots: Sequence[Any], state: dict[StorageWeakRef, str]) -> SavedTensorsReport:
-    # Storage keys: ("storage", address) for a tensor in memory, ("dropped", region, index)
-    # for one a checkpoint dropped. ``refs`` holds a weak reference to every storage seen,
-    # so no address can be reused by a new storage during the walk.
+    # Storage keys: ("storage", address) for a tensor in memory, ("dropped", ...) for one a
+    # checkpoint dropped. ``refs`` holds a weak reference to every storage seen, so no
+    # address can be reused by a new storage during the walk.
     labels: dict[tuple, str] = {}
     refs: list[StorageWeakRef] = []
     regions: dict[str, str] = {}
     rows = []
-    with peek_saved() as peek:
-        for node in _nodes(roots):
-            for attribute in _saved_attributes(node):
-                values = _read(node, attribute)
-                info = peek.take()
-                tensors = [value for value in values if isinstance(value, torch.Tensor)]
-                for position, tensor in enumerate(tensors):
-                    label = _attribute_label(attribute, position, len(tensors))
-                    if info is not None:
-                        # Dropped by a checkpoint: only its metadata is known, so it gets a storage
-                        # of its own and kind "unknown" (it may have been a parameter).
-                        storage = labels.setdefault(("dropped", info.region, info.index), f"s{len(labels)}")
-                        rows.append(SavedTensor("", "", node.name(), label, info.meta.shape, info.meta.dtype,
-                                                info.meta.nbytes, storage, info.meta.nbytes, "unknown",
-                                                "dropped", _region_label(regions, info.region)))
-                        continue
-                    ref = StorageWeakRef(tensor.untyped_storage())
-                    refs.append(ref)
-                    storage = labels.setdefault(("storage", ref.cdata), f"s{len(labels)}")
-                    rows.append(SavedTensor("", "", node.name(), label, tuple(tensor.shape), tensor.dtype,
-                                            tensor.numel() * tensor.element_size(), storage,
-                                            tensor.untyped_storage().nbytes(), state.get(ref, _kind_of(tensor)),
-                                            "kept"))
+    for node in walk(roots).nodes:
+        for record in read_saved(node):
+            label = _attribute_label(record)
+            if record.status in ("freed", "modified") or record.shape is None:
+                continue  # nothing held (or backward would fail); or torch's records moved: nothing known
+            if record.status != "kept":
+                # Dropped by a checkpoint: only its metadata is known, so it gets a storage of
+                # its own and kind "unknown" (it may have been a parameter).
+                info = record.info
+                key = ("dropped", info.region, info.index) if info is not None else ("dropped", len(rows))
+                storage = labels.setdefault(key, f"s{len(labels)}")
+                region = _region_label(regions, record.region) if record.region is not None else ""
+                rows.append(SavedTensor("", "", node.name(), label, record.shape, record.dtype, record.nbytes,
+                                        storage, record.nbytes, "unknown", "dropped", region))
+                continue
+            tensor = record.tensor
+            ref = StorageWeakRef(tensor.untyped_storage())
+            refs.append(ref)
+            storage = labels.setdefault(("storage", ref.cdata), f"s{len(labels)}")
+            rows.append(SavedTensor("", "", node.name(), label, record.shape, record.dtype, record.nbytes,
+                                    storage, tensor.untyped_storage().nbytes(), state.get(ref, _kind_of(tensor)),
+                                    "kept"))
     return SavedTensorsReport(rows)

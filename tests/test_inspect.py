@@ -6,8 +6,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ckptlib import checkpoint, record_trace
+from ckptlib import autograd_walk, checkpoint, record_trace
+from ckptlib.graph import autograd_graph
+from ckptlib.graph import walk as graph_walk
+from ckptlib import inspect as inspect_module
 from ckptlib.inspect import SavedTensorsReport, record_saved, saved_tensors_report
 from ckptlib.memory import MemoryMeter
 from ckptlib.models import MLPChain, TinyTransformer
@@ -203,6 +207,46 @@ def test_walking_a_checkpointed_graph_reports_dropped_without_recomputing():
     assert {row.region for row in report.rows} == {"Sequential#0", "Sequential#1", "Sequential#2"}
     out.sum().backward()                                      # still trains normally afterwards
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("make, mode", [(lambda: MLPChain(5, 8), "sqrt"), (small_transformer, "none")],
+                         ids=["mlp-sqrt", "transformer"])
+def test_the_report_and_the_graph_read_the_same_saved_tensors(make, mode):
+    # One walker (ckptlib.autograd_walk) behind both: the same nodes in the same order, the same
+    # saved tensors with the same bytes and states, and the same kept total.
+    assert inspect_module.read_saved is graph_walk.read_saved is autograd_walk.read_saved
+    assert inspect_module.walk is graph_walk.walk is autograd_walk.walk
+    model = make()
+    model.checkpointing = mode
+    loss = model.loss(model.example_batch(batch=2))
+    graph = autograd_graph(loss, params=model)
+    report = saved_tensors_report(loss, model)
+    as_row = {"kept": "kept", "dropped": "dropped", "recomputed": "dropped"}
+    per_node = [(node.op, [(s.name, s.nbytes, as_row[s.status]) for s in node.saved])
+                for node in graph.ops if node.saved]
+    rows = [(row.node, row.attribute, row.nbytes, row.status) for row in report.rows]
+    assert [(op, *saved) for op, saves in per_node for saved in saves] == rows
+    assert graph.saved_bytes == report.kept_bytes > 0
+    assert any(status == "dropped" for *_, status in rows) == (mode != "none")
+
+
+def test_walking_a_torch_checkpoint_graph_does_not_recompute():
+    x = torch.randn(4, 8, requires_grad=True)
+    runs = []
+
+    def block(t):
+        runs.append(1)
+        return t.sin().exp()
+
+    out = torch_checkpoint(block, x, use_reentrant=False)
+    report = saved_tensors_report(out)
+    assert len(runs) == 1                                     # reading ran nothing again
+    assert [(row.node, row.attribute, row.shape, row.status, row.region) for row in report.rows] == [
+        ("ExpBackward0", "result", (4, 8), "dropped", "torch.utils.checkpoint#0"),
+        ("SinBackward0", "self", (4, 8), "dropped", "torch.utils.checkpoint#0")]
+    assert report.kept_bytes == 0 and report.dropped_bytes == 2 * 4 * 8 * 4
+    out.sum().backward()                                      # still trains normally afterwards
+    assert len(runs) == 2 and x.grad is not None
 
 
 def test_recording_does_not_recompute_either():

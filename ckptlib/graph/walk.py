@@ -1,32 +1,11 @@
 """Building an AutogradGraph: walk ``grad_fn`` and read every saved tensor without recomputing it.
 
+Walking ``grad_fn`` and reading each node's saved tensors is :mod:`ckptlib.autograd_walk`'s
+job (shared with :mod:`ckptlib.inspect`); this module turns what it reads into an
+:class:`AutogradGraph`: names, storages, and which leaf owns what.
+
 Design notes
 ============
-
-Walking. A tensor's ``grad_fn`` is the node that will compute its gradient;
-``node.next_functions`` lists the nodes of its inputs (``None`` for an input
-that needs no gradient). Leaves that receive ``.grad`` end in an
-``AccumulateGrad`` node whose ``.variable`` is the leaf. :func:`autograd_graph`
-walks this graph breadth-first with an explicit queue, so a 1000-layer chain
-is as easy as a 3-layer one (a recursive walk, as in torchviz, hits Python's
-recursion limit). Node ids come from the walk order (``n0`` is the first node
-reached from the outputs), never from ``id()``, so the same program gives the
-same ids and the same DOT source in every run.
-
-Saved tensors. Every tensor a node keeps for backward appears as a pair of
-attributes: ``node._raw_saved_<name>`` (autograd's ``SavedTensor`` box) and
-``node._saved_<name>`` (the tensor, unpacked). Reading ``_saved_<name>`` calls
-the unpack hook of whatever ``saved_tensors_hooks`` packed it, so it is read
-inside :func:`ckptlib.checkpoint.peek_saved`: a tensor a ckptlib checkpoint
-dropped then comes back as an empty ``meta`` tensor with its ``PackedInfo``
-(region, unpack count), and nothing is recomputed. ``torch.utils.checkpoint``
-has no such switch: reading would rerun its function. Its tensors are
-recognised before reading, by the module of the box's ``unpack_hook``, and
-their shape is read from that checkpoint's own records (torch internals; if a
-future torch moves them, the shape shows as unknown, never a recomputation).
-A saved tensor that a backward already freed raises ``RuntimeError`` when
-read: it is reported as ``freed`` (or as ``modified`` when the box still holds
-it: it was changed in place after saving, and that backward would fail).
 
 Whose memory. A kept saved tensor that shares storage with a leaf (an
 ``AccumulateGrad`` variable, or a leaf named in ``params``) is ``of_leaf``, with
@@ -46,19 +25,17 @@ import dataclasses
 import math
 import re
 from collections import Counter, deque
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Sequence, Union
 
 import torch
 from torch import nn
 
-from ckptlib.checkpoint import peek_saved
+from ckptlib.autograd_walk import TORCH_CHECKPOINT, SavedRecord, op_name, read_saved, walk
 from ckptlib.graph.modules import ModuleTrace
 from ckptlib.graph.nodes import AutogradGraph, GraphNode, SavedTensor
+from ckptlib.storage import storage_ptr
 
 __all__ = ["autograd_graph", "TORCH_CHECKPOINT", "Params"]
-
-TORCH_CHECKPOINT = "torch.utils.checkpoint"
-"""The region name given to tensors that ``torch.utils.checkpoint`` dropped."""
 
 Params = Union[nn.Module, Mapping[str, torch.Tensor], None]
 
@@ -107,7 +84,7 @@ def build_graph(outputs: Any, params: Any, modules: Any, caller: str) -> Autogra
     names = _Names(params, caller)
 
     roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    order, edges = _walk(roots)
+    order, edges = walk(roots)
     ids = {fn: f"n{i}" for i, fn in enumerate(order)}
     storages = _StorageIds()
     leaves = _Leaves(order, names, storages)
@@ -117,14 +94,14 @@ def build_graph(outputs: Any, params: Any, modules: Any, caller: str) -> Autogra
         nodes.append(GraphNode(f"out{position}", "output", None, names.of(tensor), tuple(tensor.shape),
                                tensor.dtype))
     for fn in order:
-        op = fn.name().rsplit("::", 1)[-1]  # "torch::autograd::AccumulateGrad" -> "AccumulateGrad"
+        op = op_name(fn)
         if hasattr(fn, "variable"):
             leaf, name = fn.variable, names.of(fn.variable)
             nodes.append(GraphNode(ids[fn], "leaf", op, name, tuple(leaf.shape), leaf.dtype,
                                    module=_module_of_parameter(name, modules), storage=storages.of(leaf)))
         else:
             module = modules.module_of(fn._sequence_nr()) if modules is not None else None
-            saved = tuple(_read_saved(fn, names, storages, leaves))
+            saved = tuple(_describe(record, names, storages, leaves) for record in read_saved(fn))
             saved = leaves.name_dropped(saved, fn, module)
             nodes.append(GraphNode(ids[fn], "op", op, saved=saved, module=module))
 
@@ -158,41 +135,15 @@ def output_tensors(outputs: Any, caller: str) -> list[torch.Tensor]:
     return tensors
 
 
-def _walk(roots: list[Any]) -> tuple[list[Any], list[tuple[Any, Any]]]:
-    """Breadth-first over ``next_functions``: nodes in discovery order, edges input -> consumer."""
-    order: list[Any] = []
-    seen: set[Any] = set()
-    queue: deque[Any] = deque()
-    for root in roots:
-        if root not in seen:
-            seen.add(root)
-            order.append(root)
-            queue.append(root)
-    edges = []
-    while queue:
-        fn = queue.popleft()
-        for next_fn, _ in fn.next_functions:
-            if next_fn is None:
-                continue
-            if next_fn not in seen:
-                seen.add(next_fn)
-                order.append(next_fn)
-                queue.append(next_fn)
-            edges.append((next_fn, fn))
-    return order, edges
-
-
 # ---------------------------------------------------------------------------
 # Memory: storages, names, and which leaf owns what
 # ---------------------------------------------------------------------------
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    """Where a tensor's memory is; ``None`` for layouts without one storage (sparse, nested)."""
-    try:
-        return (str(tensor.device), tensor.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return None
+    """Where a tensor's memory is; ``None`` where there is none to compare (sparse, nested, empty)."""
+    ptr = storage_ptr(tensor)
+    return None if ptr is None else (str(tensor.device), ptr)
 
 
 class _StorageIds:
@@ -351,106 +302,22 @@ def _module_of_parameter(name: str | None, modules: ModuleTrace | None) -> str |
 
 
 # ---------------------------------------------------------------------------
-# Reading saved tensors
+# Saved tensors, as the graph shows them
 # ---------------------------------------------------------------------------
 
 
-def _read_saved(fn: Any, names: _Names, storages: _StorageIds, leaves: _Leaves) -> Iterator[SavedTensor]:
-    """The tensors ``fn`` saved, read without triggering any recomputation (see the notes above)."""
-    attributes = set(dir(fn))
-    for raw_attribute in sorted(a for a in attributes if a.startswith("_raw_saved_")):
-        name = raw_attribute[len("_raw_saved_"):]
-        raw = getattr(fn, raw_attribute)
-        # A custom autograd.Function exposes ctx.save_for_backward as `saved_tensors`.
-        attribute = f"_saved_{name}" if f"_saved_{name}" in attributes else f"saved_{name}"
-        single = not isinstance(raw, (tuple, list))
-        boxes = [raw] if single else list(raw)
-        labels = [name] if single else [f"{name}[{i}]" for i in range(len(boxes))]
-
-        if any(_packed_by_torch_checkpoint(box) for box in boxes):
-            for label, box in zip(labels, boxes):
-                yield _torch_checkpoint_tensor(label, box)
-            continue
-        with peek_saved() as peek:
-            try:
-                value = getattr(fn, attribute)
-            except RuntimeError:
-                for label, box in zip(labels, boxes):
-                    yield _unreadable(label, box)
-                continue
-            infos = [peek.take()] if single else [_peek_one(box, peek) for box in boxes]
-        values = [value] if single else list(value)
-        for label, tensor, info in zip(labels, values, infos):
-            if tensor is not None:  # saved "undefined": backward will not need it
-                yield _describe(label, tensor, info, names, storages, leaves)
-
-
-def _unreadable(label: str, box: Any) -> SavedTensor:
-    """A saved tensor that raised on reading: freed by a backward, or modified in place since."""
-    data = box.data  # what autograd still holds: nothing once a backward freed it
-    if data is None:
-        return SavedTensor(label, None, None, 0, "freed")
-    if isinstance(data, torch.Tensor):
-        return SavedTensor(label, tuple(data.shape), data.dtype, data.numel() * data.element_size(),
-                           "modified")
-    return SavedTensor(label, None, None, 0, "modified")
-
-
-def _peek_one(box: Any, peek: Any) -> Any:
-    """PackedInfo of one element of a saved list (``peek.take()`` only keeps the last read)."""
-    if getattr(box, "unpack_hook", None) is None:
-        return None
-    try:
-        box.unpack()
-    except RuntimeError:  # a saved output cannot be unpacked on its own; no info for it
-        return None
-    return peek.take()
-
-
-def _describe(label: str, tensor: torch.Tensor, info: Any, names: _Names, storages: _StorageIds,
-              leaves: _Leaves) -> SavedTensor:
-    meta = info.meta if info is not None else None
-    if meta is not None:
-        status = "recomputed" if info.unpack_count > 0 else "dropped"
-        return SavedTensor(label, meta.shape, meta.dtype, meta.nbytes, status, info.region,
-                           frees_memory=info.frees_memory)
-    nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type == "meta":  # dropped by a hook we do not know; nothing is held
-        return SavedTensor(label, tuple(tensor.shape), tensor.dtype, nbytes, "dropped")
+def _describe(record: SavedRecord, names: _Names, storages: _StorageIds, leaves: _Leaves) -> SavedTensor:
+    """What the graph shows of one saved tensor: its record, with storage, owner and name."""
+    if record.status != "kept":
+        return SavedTensor(record.label, record.shape, record.dtype, record.nbytes or 0, record.status,
+                           record.region, frees_memory=record.frees_memory)
+    tensor, nbytes = record.tensor, record.nbytes
     storage = storages.of(tensor)
     if storage is None:
-        return SavedTensor(label, tuple(tensor.shape), tensor.dtype, nbytes, "kept", None, None, nbytes,
+        return SavedTensor(record.label, record.shape, record.dtype, nbytes, "kept", None, None, nbytes,
                            tensor_name=names.of(tensor))
     view = (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
     kind = leaves.kind_of_storage.get(storage)
-    return SavedTensor(label, tuple(tensor.shape), tensor.dtype, nbytes, "kept", None, storage,
+    return SavedTensor(record.label, record.shape, record.dtype, nbytes, "kept", None, storage,
                        tensor.untyped_storage().nbytes(), kind is not None, names.of(tensor), view,
                        leaf_kind=kind)
-
-
-def _packed_by_torch_checkpoint(box: Any) -> bool:
-    hook = getattr(box, "unpack_hook", None)
-    return getattr(hook, "__module__", None) == TORCH_CHECKPOINT
-
-
-def _torch_checkpoint_tensor(label: str, box: Any) -> SavedTensor:
-    """A tensor torch.utils.checkpoint dropped, described from its records without unpacking it.
-
-    The pack hook stored a ``_Holder`` (``box.data``); the frame in the hook's
-    closure keeps one metadata dict per holder. These are torch internals: if
-    they are not where this expects, the shape is reported as unknown.
-    """
-    holder = box.data
-    # The holder gets an entry per backward that recomputed the region.
-    status = "recomputed" if getattr(holder, "handles", None) else "dropped"
-    hook = box.unpack_hook
-    try:
-        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__))
-        frame = cells["frame"].cell_contents
-        index = next(i for i, ref in enumerate(frame.weak_holders) if ref() is holder)
-        meta = frame.x_metadatas[index]
-        shape, dtype = tuple(meta["shape"]), meta["dtype"]
-    except (AttributeError, KeyError, IndexError, StopIteration, TypeError):
-        return SavedTensor(label, None, None, 0, status, TORCH_CHECKPOINT)
-    return SavedTensor(label, shape, dtype, torch.Size(shape).numel() * dtype.itemsize, status,
-                       TORCH_CHECKPOINT)
