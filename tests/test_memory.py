@@ -381,7 +381,7 @@ def test_ops_in_a_thread_without_the_meter_are_not_seen():
     with MemoryMeter() as meter:
         y = x.exp()                              # saves its result: 256 bytes
         ops_before = len(meter.timeline)
-        worker = threading.Thread(target=lambda: y.sum().backward())
+        worker = threading.Thread(target=lambda: y.sum().backward())  # noqa: F821 (y is deleted after)
         worker.start()
         worker.join()
         del y                                    # the graph was freed by that backward

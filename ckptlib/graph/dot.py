@@ -36,9 +36,8 @@ import torch
 from ckptlib import palette
 from ckptlib._arguments import flag, integer
 from ckptlib.graph.nodes import (
-    AutogradGraph, GraphNode, SavedTensor, bytes_text, dtype_text, shape_text,
+    VIEWS, AutogradGraph, GraphNode, SavedTensor, bytes_text, dtype_text, shape_text,
 )
-from ckptlib.graph.render import png_for_display, render_svg
 from ckptlib.graph.walk import build_graph
 
 __all__ = ["to_dot", "NotebookDigraph", "STYLES", "LEGEND"]
@@ -107,11 +106,12 @@ class NotebookDigraph(graphviz.Digraph):
         summary = self.summary or f"{sum('->' in line for line in self.body)} edges"
         return f"NotebookDigraph({summary})"
 
+    # Pictures are the display layer's (ckptlib.graph.render), handed over in nodes.VIEWS.
     def _repr_image_svg_xml(self) -> str:
-        return render_svg(self)
+        return VIEWS.svg(self)
 
     def _repr_png_(self) -> tuple[bytes, dict[str, int]] | None:
-        return png_for_display(self)
+        return VIEWS.png(self)
 
 
 def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, depth: int = 2,
@@ -186,7 +186,7 @@ _SavedEdge = tuple[str, str, SavedTensor, bool]  # node id, saved-tensor box or 
 def _draw_nodes(dot: graphviz.Digraph, graph: AutogradGraph, nodes: list[GraphNode]) -> list[str]:
     """``nodes`` with their saved tensors, checkpoint regions as dashed clusters, then the edges
     (last: an edge written inside a cluster would pull its far end into it). Returns the styles used."""
-    leaf_of_storage = {node.storage: node.id for node in nodes if node.kind == "leaf"}
+    leaf_of_storage = {node.storage: node.id for node in nodes if node.kind == "leaf" and node.storage is not None}
     boxes = _Boxes(nodes, leaf_of_storage)
     regions: dict[str, list[GraphNode]] = {}
     for node in nodes:

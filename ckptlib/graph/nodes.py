@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
+
+from ckptlib.memory import format_bytes
 
 __all__ = ["SavedTensor", "GraphNode", "AutogradGraph", "STATUSES", "with_statuses"]
 
@@ -182,26 +184,19 @@ class AutogradGraph:
         """
         return sum(node.dropped_bytes for node in self.nodes)
 
-    # Showing a graph is the drawing modules' job; they import this module, so these
-    # methods import them when called.
+    # Showing a graph is the drawing and display modules' job (see VIEWS).
     def __str__(self) -> str:
-        from ckptlib.graph.text import graph_text
-
-        return graph_text(self)
+        return VIEWS.text(self)
 
     def __repr__(self) -> str:
         return (f"AutogradGraph({len(self.nodes)} nodes, saved {bytes_text(self.saved_bytes)}, "
                 f"dropped {bytes_text(self.dropped_bytes)})")
 
     def _repr_svg_(self) -> str:
-        from ckptlib.graph.render import render_svg
-
-        return render_svg(self)
+        return VIEWS.svg(self)
 
     def _repr_png_(self) -> tuple[bytes, dict[str, int]] | None:
-        from ckptlib.graph.render import png_for_display
-
-        return png_for_display(self)
+        return VIEWS.png(self)
 
 
 def with_statuses(graph: AutogradGraph, statuses: Mapping[tuple[str, str], str]) -> AutogradGraph:
@@ -268,10 +263,29 @@ def dtype_text(dtype: torch.dtype | None) -> str:
 
 
 def bytes_text(nbytes: int) -> str:
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    size, unit = nbytes / 1024, "KiB"
-    for bigger in ("MiB", "GiB"):
-        if size >= 1024:
-            size, unit = size / 1024, bigger
-    return f"{size:.1f} {unit}"
+    """Bytes as every graph picture and text writes them: ``'12 B'``, ``'1.5 KiB'``."""
+    return format_bytes(nbytes, digits=1)
+
+
+class Views:
+    """How graphs show themselves: ``print(graph)`` (``text``), a notebook's picture (``svg``, and
+    ``png`` beside it, ``None`` when none can be drawn).
+
+    The functions live in the layers above (text and DOT draw a graph, render makes pictures),
+    which import this module; :mod:`ckptlib.graph`'s ``__init__`` hands them to :data:`VIEWS`
+    when the package loads, so no data module imports a drawing one. ``NotebookDigraph``
+    (:mod:`ckptlib.graph.dot`) shows itself the same way.
+    """
+
+    def __init__(self) -> None:
+        self.text: Callable[[AutogradGraph], str] = repr
+        self.svg: Callable[[Any], str] = _not_loaded
+        self.png: Callable[[Any], tuple[bytes, dict[str, int]] | None] = _not_loaded
+
+
+def _not_loaded(graph: Any) -> Any:
+    raise RuntimeError("ckptlib.graph draws graphs once the package is loaded: import ckptlib.graph.")
+
+
+VIEWS = Views()
+"""The functions graphs show themselves with, set by :mod:`ckptlib.graph` (see :class:`Views`)."""

@@ -54,7 +54,7 @@ def torchviz_dot(outputs: torch.Tensor | Sequence[torch.Tensor], params: Params 
     with warnings.catch_warnings():
         # torchviz 0.0.3 compares versions with distutils, which warns on every call.
         warnings.simplefilter("ignore", DeprecationWarning)
-        from torchviz import make_dot
+        from torchviz import make_dot   # optional: only this comparison picture needs it
 
         made = make_dot(output, params=params, **make_dot_kwargs)
     dot = NotebookDigraph(body=list(made.body), graph_attr=made.graph_attr, node_attr=made.node_attr,

