@@ -39,6 +39,7 @@ already freed raises ``RuntimeError`` when read: it is ``freed`` (or ``modified`
 when the box still holds it: it was changed in place after saving, and that
 backward would fail).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -92,7 +93,7 @@ def walk(roots: Sequence[Any], first: int = 0) -> Walk:
 
 
 def op_name(node: Any) -> str:
-    """``"torch::autograd::AccumulateGrad"`` -> ``"AccumulateGrad"``; ``"MulBackward0"`` as it is."""
+    """``"torch::autograd::AccumulateGrad"`` -> ``"AccumulateGrad"``; others as they are."""
     return node.name().rsplit("::", 1)[-1]
 
 
@@ -111,10 +112,10 @@ class SavedRecord:
     """
 
     node: Any
-    name: str                  # "mat1"; "tensors" for a custom Function's ctx.save_for_backward
-    attribute: str             # the attribute read: "_saved_mat1", "saved_tensors"
-    count: int                 # tensors in the attribute (1 for a single one)
-    index: int | None          # position in a saved list; None for a single saved tensor
+    name: str  # "mat1"; "tensors" for a custom Function's ctx.save_for_backward
+    attribute: str  # the attribute read: "_saved_mat1", "saved_tensors"
+    count: int  # tensors in the attribute (1 for a single one)
+    index: int | None  # position in a saved list; None for a single saved tensor
     status: str
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
@@ -131,7 +132,8 @@ class SavedRecord:
 
     @property
     def frees_memory(self) -> bool:
-        """For a dropped tensor: False if dropping it freed nothing (an input, a parameter, a view of one)."""
+        """For a dropped tensor: False if dropping it freed nothing (an input, a parameter, a
+        view of one)."""
         return self.info.frees_memory if self.info is not None else True
 
 
@@ -141,7 +143,7 @@ def read_saved(node: Any) -> Iterator[SavedRecord]:
     left out."""
     attributes = set(dir(node))
     for raw_attribute in sorted(a for a in attributes if a.startswith("_raw_saved_")):
-        name = raw_attribute[len("_raw_saved_"):]
+        name = raw_attribute[len("_raw_saved_") :]
         raw = getattr(node, raw_attribute)
         # A custom autograd.Function exposes ctx.save_for_backward as `saved_tensors`.
         attribute = f"_saved_{name}" if f"_saved_{name}" in attributes else f"saved_{name}"
@@ -173,27 +175,48 @@ def _packed(box: Any) -> Any:
     return box.data if getattr(box, "unpack_hook", None) is not None else None
 
 
-def _record(at: Callable[..., SavedRecord], index: int | None, tensor: torch.Tensor, info: PackedInfo | None,
-            packed: Any) -> SavedRecord:
+def _record(
+    at: Callable[..., SavedRecord],
+    index: int | None,
+    tensor: torch.Tensor,
+    info: PackedInfo | None,
+    packed: Any,
+) -> SavedRecord:
     meta = info.meta if info is not None else None
     if meta is not None:
         status = "recomputed" if info.unpack_count > 0 else "dropped"
-        return at(index, status, meta.shape, meta.dtype, meta.nbytes,
-                           region=info.region, info=info, packed=packed)
+        return at(
+            index,
+            status,
+            meta.shape,
+            meta.dtype,
+            meta.nbytes,
+            region=info.region,
+            info=info,
+            packed=packed,
+        )
     shape, nbytes = tuple(tensor.shape), tensor.numel() * tensor.element_size()
     if tensor.device.type == "meta":  # dropped by a hook we do not know; nothing is held
         return at(index, "dropped", shape, tensor.dtype, nbytes, packed=packed)
     return at(index, "kept", shape, tensor.dtype, nbytes, tensor, packed=packed)
 
 
-def _unreadable(at: Callable[..., SavedRecord], index: int | None, box: Any, packed: Any) -> SavedRecord:
+def _unreadable(
+    at: Callable[..., SavedRecord], index: int | None, box: Any, packed: Any
+) -> SavedRecord:
     """A saved tensor that raised on reading: freed by a backward, or modified in place since."""
     data = box.data  # what autograd still holds: nothing once a backward freed it
     if data is None:
         return at(index, "freed", None, None, None, packed=packed)
     if isinstance(data, torch.Tensor):
-        return at(index, "modified", tuple(data.shape), data.dtype,
-                           data.numel() * data.element_size(), packed=packed)
+        return at(
+            index,
+            "modified",
+            tuple(data.shape),
+            data.dtype,
+            data.numel() * data.element_size(),
+            packed=packed,
+        )
     return at(index, "modified", None, None, None, packed=packed)
 
 
@@ -213,7 +236,9 @@ def _packed_by_torch_checkpoint(box: Any) -> bool:
     return getattr(hook, "__module__", None) == TORCH_CHECKPOINT
 
 
-def _torch_checkpoint_record(at: Callable[..., SavedRecord], index: int | None, box: Any, packed: Any) -> SavedRecord:
+def _torch_checkpoint_record(
+    at: Callable[..., SavedRecord], index: int | None, box: Any, packed: Any
+) -> SavedRecord:
     """A tensor torch.utils.checkpoint dropped, described from its records without unpacking it.
 
     The pack hook stored a ``_Holder`` (``box.data``); the frame in the hook's
@@ -231,7 +256,13 @@ def _torch_checkpoint_record(at: Callable[..., SavedRecord], index: int | None, 
         meta = frame.x_metadatas[position]
         shape, dtype = tuple(meta["shape"]), meta["dtype"]
     except (AttributeError, KeyError, IndexError, StopIteration, TypeError):
-        return at(index, status, None, None, None, region=TORCH_CHECKPOINT,
-                           packed=packed)
-    return at(index, status, shape, dtype,
-                       torch.Size(shape).numel() * dtype.itemsize, region=TORCH_CHECKPOINT, packed=packed)
+        return at(index, status, None, None, None, region=TORCH_CHECKPOINT, packed=packed)
+    return at(
+        index,
+        status,
+        shape,
+        dtype,
+        torch.Size(shape).numel() * dtype.itemsize,
+        region=TORCH_CHECKPOINT,
+        packed=packed,
+    )

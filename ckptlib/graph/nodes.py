@@ -23,6 +23,7 @@ dropped total adds each one (one tensor saved by two ops counts twice), and
 leaves out those whose dropping frees nothing (``frees_memory`` is False: an
 input of the checkpoint, a parameter or a view of one).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -67,16 +68,22 @@ class SavedTensor:
     of_leaf: bool = False
     tensor_name: str | None = None
     view: tuple | None = field(default=None, repr=False)
-    frees_memory: bool = True  # for a dropped tensor: False if it was an input, a parameter or a view of one
+    frees_memory: bool = (
+        True  # for a dropped tensor: False if it was an input, a parameter or a view of one
+    )
     leaf_kind: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
-            raise ValueError(f"SavedTensor {self.name!r}: status={self.status!r} is not one of {STATUSES} "
-                             "(a tensor a backward released is 'freed'; one autograd holds is 'kept').")
+            raise ValueError(
+                f"SavedTensor {self.name!r}: status={self.status!r} is not one of {STATUSES} "
+                "(a tensor a backward released is 'freed'; one autograd holds is 'kept')."
+            )
         if self.leaf_kind is not None and self.leaf_kind not in LEAF_KINDS:
-            raise ValueError(f"SavedTensor {self.name!r}: leaf_kind={self.leaf_kind!r} is not one of "
-                             f"{LEAF_KINDS} or None.")
+            raise ValueError(
+                f"SavedTensor {self.name!r}: leaf_kind={self.leaf_kind!r} is not one of "
+                f"{LEAF_KINDS} or None."
+            )
 
     @property
     def counted(self) -> bool:
@@ -92,7 +99,10 @@ class SavedTensor:
         """``'self (3,) float32 12 B'``: name, shape, dtype, bytes (just the name if unknown)."""
         if self.shape is None:
             return self.name
-        text = f"{self.name} {shape_text(self.shape)} {dtype_text(self.dtype)} {bytes_text(self.nbytes)}"
+        text = (
+            f"{self.name} {shape_text(self.shape)} {dtype_text(self.dtype)} "
+            f"{bytes_text(self.nbytes)}"
+        )
         if self.tensor_name:
             text += f" = {self.tensor_name}"
         return text
@@ -116,7 +126,9 @@ class GraphNode:
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
-            raise ValueError(f"GraphNode {self.id!r}: kind={self.kind!r} is not one of {NODE_KINDS}.")
+            raise ValueError(
+                f"GraphNode {self.id!r}: kind={self.kind!r} is not one of {NODE_KINDS}."
+            )
 
     @property
     def region(self) -> str | None:
@@ -162,7 +174,9 @@ class AutogradGraph:
         for node in self.nodes:
             if node.id == node_id:
                 return node
-        raise KeyError(f"no node {node_id!r} in this graph (ids run n0..n{len(self.ops) - 1}, out0..)")
+        raise KeyError(
+            f"no node {node_id!r} in this graph (ids run n0..n{len(self.ops) - 1}, out0..)"
+        )
 
     @property
     def ops(self) -> list[GraphNode]:
@@ -171,7 +185,8 @@ class AutogradGraph:
 
     @property
     def saved_bytes(self) -> int:
-        """Bytes autograd keeps for backward: kept saved tensors, each storage once, leaves excluded."""
+        """Bytes autograd keeps for backward: kept saved tensors, each storage once, leaves
+        excluded."""
         return distinct_storage_bytes(s for node in self.nodes for s in node.saved)
 
     @property
@@ -189,8 +204,10 @@ class AutogradGraph:
         return VIEWS.text(self)
 
     def __repr__(self) -> str:
-        return (f"AutogradGraph({len(self.nodes)} nodes, saved {bytes_text(self.saved_bytes)}, "
-                f"dropped {bytes_text(self.dropped_bytes)})")
+        return (
+            f"AutogradGraph({len(self.nodes)} nodes, saved {bytes_text(self.saved_bytes)}, "
+            f"dropped {bytes_text(self.dropped_bytes)})"
+        )
 
     def _repr_svg_(self) -> str:
         return VIEWS.svg(self)
@@ -217,30 +234,49 @@ def with_statuses(graph: AutogradGraph, statuses: Mapping[tuple[str, str], str])
     ([('result', 'freed')], 'kept')
     """
     if not isinstance(graph, AutogradGraph):
-        raise TypeError(f"with_statuses: graph must be an AutogradGraph (from autograd_graph), "
-                        f"got {type(graph).__name__}.")
+        raise TypeError(
+            f"with_statuses: graph must be an AutogradGraph (from autograd_graph), "
+            f"got {type(graph).__name__}."
+        )
     if not isinstance(statuses, Mapping):
-        raise TypeError(f"with_statuses: statuses must be a dict (node id, saved name) -> status, "
-                        f"got {type(statuses).__name__}.")
+        raise TypeError(
+            f"with_statuses: statuses must be a dict (node id, saved name) -> status, "
+            f"got {type(statuses).__name__}."
+        )
     wanted: dict[str, dict[str, str]] = {}
     for key, status in statuses.items():
-        if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(part, str) for part in key)):
-            raise TypeError(f"with_statuses: key {key!r} must be a pair (node id, saved name) such as "
-                            "('n1', 'result').")
+        if not (
+            isinstance(key, tuple) and len(key) == 2 and all(isinstance(part, str) for part in key)
+        ):
+            raise TypeError(
+                f"with_statuses: key {key!r} must be a pair (node id, saved name) such as "
+                "('n1', 'result')."
+            )
         if status not in STATUSES:
-            raise ValueError(f"with_statuses: status {status!r} for {key} is not one of {STATUSES} "
-                             "(a released tensor is 'freed', a saved one 'kept').")
+            raise ValueError(
+                f"with_statuses: status {status!r} for {key} is not one of {STATUSES} "
+                "(a released tensor is 'freed', a saved one 'kept')."
+            )
         node_id, name = key
         if not any(s.name == name for s in graph[node_id].saved):
             names = [s.name for s in graph[node_id].saved]
-            raise KeyError(f"with_statuses: node {node_id} ({graph[node_id].op}) saves no tensor {name!r}; "
-                           f"it saves {names}.")
+            raise KeyError(
+                f"with_statuses: node {node_id} ({graph[node_id].op}) saves no tensor {name!r}; "
+                f"it saves {names}."
+            )
         wanted.setdefault(node_id, {})[name] = status
     nodes = [
-        dataclasses.replace(node, saved=tuple(
-            dataclasses.replace(s, status=wanted[node.id][s.name]) if s.name in wanted[node.id] else s
-            for s in node.saved))
-        if node.id in wanted else node
+        dataclasses.replace(
+            node,
+            saved=tuple(
+                dataclasses.replace(s, status=wanted[node.id][s.name])
+                if s.name in wanted[node.id]
+                else s
+                for s in node.saved
+            ),
+        )
+        if node.id in wanted
+        else node
         for node in graph.nodes
     ]
     return AutogradGraph(nodes, list(graph.edges), dict(graph.module_types))
@@ -284,7 +320,9 @@ class Views:
 
 
 def _not_loaded(graph: Any) -> Any:
-    raise RuntimeError("ckptlib.graph draws graphs once the package is loaded: import ckptlib.graph.")
+    raise RuntimeError(
+        "ckptlib.graph draws graphs once the package is loaded: import ckptlib.graph."
+    )
 
 
 VIEWS = Views()

@@ -19,6 +19,7 @@ and dtype (the same name, ``weight`` or ``bias``, when several fit) is taken as
 its owner. Two saved tensors that fit the same single leaf (``a * w`` with
 ``a`` and ``w`` alike) stay unnamed: a guess would be a wrong label.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,10 +63,12 @@ def autograd_graph(
     >>> a = torch.randn(3, requires_grad=True)
     >>> b = torch.randn(3, requires_grad=True)
     >>> print(autograd_graph((a * b).sin().sum(), params={"a": a, "b": b}))
+    ... # doctest: +NORMALIZE_WHITESPACE
     out0  output ()
     n0    SumBackward0
     n1    SinBackward0          saves self (3,) float32 12 B
-    n2    MulBackward0          saves other (3,) float32 12 B = b (leaf, not counted), self (3,) float32 12 B = a (leaf, not counted)
+    n2    MulBackward0          saves other (3,) float32 12 B = b (leaf, not counted),
+                                      self (3,) float32 12 B = a (leaf, not counted)
     n3    leaf a (3,)
     n4    leaf b (3,)
     saved 12 B, dropped by checkpoints 0 B
@@ -77,8 +80,10 @@ def build_graph(outputs: Any, params: Any, modules: Any, caller: str) -> Autogra
     """:func:`autograd_graph`, with errors that name the public function the user called."""
     tensors = output_tensors(outputs, caller)
     if modules is not None and not isinstance(modules, ModuleTrace):
-        raise TypeError(f"{caller}: modules must be the ModuleTrace that `with trace_modules(model) as "
-                        f"modules:` gives, got {type(modules).__name__}.")
+        raise TypeError(
+            f"{caller}: modules must be the ModuleTrace that `with trace_modules(model) as "
+            f"modules:` gives, got {type(modules).__name__}."
+        )
     if params is None and modules is not None:
         params = modules.model
     names = _Names(params, caller)
@@ -91,14 +96,32 @@ def build_graph(outputs: Any, params: Any, modules: Any, caller: str) -> Autogra
 
     nodes = []
     for position, tensor in enumerate(tensors):
-        nodes.append(GraphNode(f"out{position}", "output", None, names.of(tensor), tuple(tensor.shape),
-                               tensor.dtype))
+        nodes.append(
+            GraphNode(
+                f"out{position}",
+                "output",
+                None,
+                names.of(tensor),
+                tuple(tensor.shape),
+                tensor.dtype,
+            )
+        )
     for fn in order:
         op = op_name(fn)
         if hasattr(fn, "variable"):
             leaf, name = fn.variable, names.of(fn.variable)
-            nodes.append(GraphNode(ids[fn], "leaf", op, name, tuple(leaf.shape), leaf.dtype,
-                                   module=_module_of_parameter(name, modules), storage=storages.of(leaf)))
+            nodes.append(
+                GraphNode(
+                    ids[fn],
+                    "leaf",
+                    op,
+                    name,
+                    tuple(leaf.shape),
+                    leaf.dtype,
+                    module=_module_of_parameter(name, modules),
+                    storage=storages.of(leaf),
+                )
+            )
         else:
             module = modules.module_of(fn._sequence_nr()) if modules is not None else None
             saved = tuple(_describe(record, names, storages, leaves) for record in read_saved(fn))
@@ -106,31 +129,41 @@ def build_graph(outputs: Any, params: Any, modules: Any, caller: str) -> Autogra
             nodes.append(GraphNode(ids[fn], "op", op, saved=saved, module=module))
 
     edge_ids = [(ids[src], ids[dst]) for src, dst in edges]
-    edge_ids += [(ids[t.grad_fn], f"out{i}") for i, t in enumerate(tensors) if t.grad_fn is not None]
+    edge_ids += [
+        (ids[t.grad_fn], f"out{i}") for i, t in enumerate(tensors) if t.grad_fn is not None
+    ]
     module_types = modules.module_types if modules is not None else {}
     return AutogradGraph(nodes, edge_ids, dict(module_types))
 
 
 def output_tensors(outputs: Any, caller: str) -> list[torch.Tensor]:
-    """``outputs`` as a list of tensors with an autograd graph, or a clear error naming ``caller``."""
+    """``outputs`` as a list of tensors with an autograd graph, or a clear error naming
+    ``caller``."""
     if isinstance(outputs, torch.Tensor):
         tensors = [outputs]
     elif isinstance(outputs, (list, tuple)):
         tensors = list(outputs)
         if not tensors:
-            raise ValueError(f"{caller}: outputs is an empty {type(outputs).__name__}; pass a tensor "
-                             "or a list of tensors that require grad.")
+            raise ValueError(
+                f"{caller}: outputs is an empty {type(outputs).__name__}; pass a tensor "
+                "or a list of tensors that require grad."
+            )
     else:
-        raise TypeError(f"{caller}: outputs must be a tensor or a list/tuple of tensors that require grad, "
-                        f"got {type(outputs).__name__}.")
+        raise TypeError(
+            f"{caller}: outputs must be a tensor or a list/tuple of tensors that require grad, "
+            f"got {type(outputs).__name__}."
+        )
     for position, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{caller}: output #{position} is of type {type(tensor).__name__}, not a tensor; "
-                            "pass tensors computed from inputs with requires_grad=True.")
+            raise TypeError(
+                f"{caller}: output #{position} is of type {type(tensor).__name__}, not a tensor; "
+                "pass tensors computed from inputs with requires_grad=True."
+            )
         if not tensor.requires_grad:
             raise ValueError(
-                f"{caller}: output #{position} is a tensor without grad, so there is no autograd graph "
-                "behind it. Pass tensors computed from inputs with requires_grad=True, outside torch.no_grad()."
+                f"{caller}: output #{position} is a tensor without grad, so there is no autograd "
+                "graph behind it. Pass tensors computed from inputs with requires_grad=True, "
+                "outside torch.no_grad()."
             )
     return tensors
 
@@ -141,7 +174,8 @@ def output_tensors(outputs: Any, caller: str) -> list[torch.Tensor]:
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    """Where a tensor's memory is; ``None`` where there is none to compare (sparse, nested, empty)."""
+    """Where a tensor's memory is; ``None`` where there is none to compare (sparse, nested,
+    empty)."""
     ptr = storage_ptr(tensor)
     return None if ptr is None else (str(tensor.device), ptr)
 
@@ -182,14 +216,18 @@ class _Names:
         elif isinstance(params, Mapping):
             named = list(params.items())
         else:
-            raise TypeError(f"{caller}: params must be an nn.Module or a dict name -> tensor, "
-                            f"got {type(params).__name__}.")
+            raise TypeError(
+                f"{caller}: params must be an nn.Module or a dict name -> tensor, "
+                f"got {type(params).__name__}."
+            )
         for name, tensor in named:
             if not isinstance(name, str):
                 raise TypeError(f"{caller}: params has the key {name!r}; names must be strings.")
             if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{caller}: params[{name!r}] is of type {type(tensor).__name__}, "
-                                "not a tensor; pass only tensors to name.")
+                raise TypeError(
+                    f"{caller}: params[{name!r}] is of type {type(tensor).__name__}, "
+                    "not a tensor; pass only tensors to name."
+                )
         self.named = [(name, tensor, _leaf_kind(tensor, name in buffers)) for name, tensor in named]
         self.by_view: dict[tuple, str] = {}
         self.by_storage: dict[tuple, str] = {}
@@ -219,8 +257,10 @@ class _Leaf(NamedTuple):
 
 
 # Backward nodes of view ops: a saved tensor reached through them may be a view of a leaf.
-_VIEW_OP = re.compile(r"(T|Mt|View|UnsafeView|Reshape\w*|Transpose|Permute|Expand|Squeeze|Unsqueeze|Slice|"
-                      r"Select|AsStrided|Alias|Diagonal|Narrow|Split|SplitWithSizes|Unbind)Backward\d*")
+_VIEW_OP = re.compile(
+    r"(T|Mt|View|UnsafeView|Reshape\w*|Transpose|Permute|Expand|Squeeze|Unsqueeze|Slice|"
+    r"Select|AsStrided|Alias|Diagonal|Narrow|Split|SplitWithSizes|Unbind)Backward\d*"
+)
 
 
 def _leaves_near(fn: Any) -> list[tuple[Any, bool]]:
@@ -255,18 +295,39 @@ class _Leaves:
                 self.kind_of_storage.setdefault(storage, kind)
 
     def leaf(self, tensor: torch.Tensor, kind: str, direct: bool = True) -> _Leaf:
-        return _Leaf(self.storages.of(tensor), self.names.of(tensor), kind, tuple(tensor.shape), tensor.dtype,
-                     direct)
+        return _Leaf(
+            self.storages.of(tensor),
+            self.names.of(tensor),
+            kind,
+            tuple(tensor.shape),
+            tensor.dtype,
+            direct,
+        )
 
-    def name_dropped(self, saved: tuple[SavedTensor, ...], fn: Any, module: str | None) -> tuple[SavedTensor, ...]:
-        """``saved`` (of node ``fn``) with each dropped tensor that belongs to a leaf marked as that leaf's."""
-        unsure = [s for s in saved if s.status in ("dropped", "recomputed") and s.shape is not None
-                  and not s.of_leaf and (not s.frees_memory or s.region == TORCH_CHECKPOINT)]
+    def name_dropped(
+        self, saved: tuple[SavedTensor, ...], fn: Any, module: str | None
+    ) -> tuple[SavedTensor, ...]:
+        """``saved`` (of node ``fn``) with each dropped tensor that belongs to a leaf marked as
+        that leaf's."""
+        unsure = [
+            s
+            for s in saved
+            if s.status in ("dropped", "recomputed")
+            and s.shape is not None
+            and not s.of_leaf
+            and (not s.frees_memory or s.region == TORCH_CHECKPOINT)
+        ]
         if not unsure:
             return saved
-        near = [self.leaf(leaf.variable, _leaf_kind(leaf.variable), direct) for leaf, direct in _leaves_near(fn)]
-        buffers = [self.leaf(tensor, kind) for name, tensor, kind in self.names.named
-                   if kind == "buffer" and (module is None or name.startswith(module + "."))]
+        near = [
+            self.leaf(leaf.variable, _leaf_kind(leaf.variable), direct)
+            for leaf, direct in _leaves_near(fn)
+        ]
+        buffers = [
+            self.leaf(tensor, kind)
+            for name, tensor, kind in self.names.named
+            if kind == "buffer" and (module is None or name.startswith(module + "."))
+        ]
         owners = {}
         for s in unsure:
             owner = _owner(s, near) or _owner(s, buffers, same_name_only=True)
@@ -283,15 +344,25 @@ def _owner(saved: SavedTensor, leaves: list[_Leaf], same_name_only: bool = False
     size = math.prod(saved.shape)
     fits = [leaf for leaf in leaves if math.prod(leaf.shape) == size and leaf.dtype == saved.dtype]
     if len(fits) > 1 or same_name_only:
-        fits = [leaf for leaf in fits if leaf.name is not None and leaf.name.rsplit(".", 1)[-1] == saved.name]
+        fits = [
+            leaf
+            for leaf in fits
+            if leaf.name is not None and leaf.name.rsplit(".", 1)[-1] == saved.name
+        ]
     return fits[0] if len(fits) == 1 else None
 
 
 def _as_leafs(saved: SavedTensor, leaf: _Leaf) -> SavedTensor:
     exact = leaf.direct and leaf.shape == saved.shape
     name = leaf.name if leaf.name is None or exact else f"view of {leaf.name}"
-    return dataclasses.replace(saved, of_leaf=True, leaf_kind=leaf.kind, tensor_name=name,
-                               storage=leaf.storage, frees_memory=False)
+    return dataclasses.replace(
+        saved,
+        of_leaf=True,
+        leaf_kind=leaf.kind,
+        tensor_name=name,
+        storage=leaf.storage,
+        frees_memory=False,
+    )
 
 
 def _module_of_parameter(name: str | None, modules: ModuleTrace | None) -> str | None:
@@ -306,18 +377,47 @@ def _module_of_parameter(name: str | None, modules: ModuleTrace | None) -> str |
 # ---------------------------------------------------------------------------
 
 
-def _describe(record: SavedRecord, names: _Names, storages: _StorageIds, leaves: _Leaves) -> SavedTensor:
+def _describe(
+    record: SavedRecord, names: _Names, storages: _StorageIds, leaves: _Leaves
+) -> SavedTensor:
     """What the graph shows of one saved tensor: its record, with storage, owner and name."""
     if record.status != "kept":
-        return SavedTensor(record.label, record.shape, record.dtype, record.nbytes or 0, record.status,
-                           record.region, frees_memory=record.frees_memory)
+        return SavedTensor(
+            record.label,
+            record.shape,
+            record.dtype,
+            record.nbytes or 0,
+            record.status,
+            record.region,
+            frees_memory=record.frees_memory,
+        )
     tensor, nbytes = record.tensor, record.nbytes
     storage = storages.of(tensor)
     if storage is None:
-        return SavedTensor(record.label, record.shape, record.dtype, nbytes, "kept", None, None, nbytes,
-                           tensor_name=names.of(tensor))
+        return SavedTensor(
+            record.label,
+            record.shape,
+            record.dtype,
+            nbytes,
+            "kept",
+            None,
+            None,
+            nbytes,
+            tensor_name=names.of(tensor),
+        )
     view = (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
     kind = leaves.kind_of_storage.get(storage)
-    return SavedTensor(record.label, record.shape, record.dtype, nbytes, "kept", None, storage,
-                       tensor.untyped_storage().nbytes(), kind is not None, names.of(tensor), view,
-                       leaf_kind=kind)
+    return SavedTensor(
+        record.label,
+        record.shape,
+        record.dtype,
+        nbytes,
+        "kept",
+        None,
+        storage,
+        tensor.untyped_storage().nbytes(),
+        kind is not None,
+        names.of(tensor),
+        view,
+        leaf_kind=kind,
+    )
