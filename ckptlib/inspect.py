@@ -649,34 +649,16 @@ def _walk_report(roots: Sequence[Any], state: dict[StorageWeakRef, str]) -> Save
                 # Dropped by a checkpoint: only its metadata is known, so it gets a storage of
                 # its own and kind "unknown" (it may have been a parameter).
                 info = record.info
-                key = (
-                    ("dropped", info.region, info.index)
-                    if info is not None
-                    else ("dropped", len(rows))
-                )
-                storage = labels.setdefault(key, f"s{len(labels)}")
-                region = _region_label(regions, record.region) if record.region is not None else ""
-                rows.append(
-                    SavedTensor(
-                        "",
-                        "",
-                        node.name(),
-                        label,
-                        record.shape,
-                        record.dtype,
-                        record.nbytes,
-                        storage,
-                        record.nbytes,
-                        "unknown",
-                        "dropped",
-                        region,
-                    )
-                )
-                continue
-            tensor = record.tensor
-            ref = StorageWeakRef(tensor.untyped_storage())
-            refs.append(ref)
-            storage = labels.setdefault(("storage", ref.cdata), f"s{len(labels)}")
+                key = ("dropped", info.region, info.index) if info else ("dropped", len(rows))
+                storage_bytes, kind, status = record.nbytes, "unknown", "dropped"
+                region = _region_label(regions, record.region) if record.region else ""
+            else:
+                storage = record.tensor.untyped_storage()
+                ref = StorageWeakRef(storage)
+                refs.append(ref)
+                key = ("storage", ref.cdata)
+                storage_bytes, kind = storage.nbytes(), state.get(ref, _kind_of(record.tensor))
+                status, region = "kept", ""
             rows.append(
                 SavedTensor(
                     "",
@@ -686,10 +668,11 @@ def _walk_report(roots: Sequence[Any], state: dict[StorageWeakRef, str]) -> Save
                     record.shape,
                     record.dtype,
                     record.nbytes,
-                    storage,
-                    tensor.untyped_storage().nbytes(),
-                    state.get(ref, _kind_of(tensor)),
-                    "kept",
+                    labels.setdefault(key, f"s{len(labels)}"),
+                    storage_bytes,
+                    kind,
+                    status,
+                    region,
                 )
             )
     return SavedTensorsReport(rows)

@@ -391,31 +391,28 @@ def _describe(
             record.region,
             frees_memory=record.frees_memory,
         )
-    tensor, nbytes = record.tensor, record.nbytes
+    tensor = record.tensor
     storage = storages.of(tensor)
-    if storage is None:
-        return SavedTensor(
-            record.label,
-            record.shape,
-            record.dtype,
-            nbytes,
-            "kept",
-            None,
-            None,
-            nbytes,
-            tensor_name=names.of(tensor),
+    kind, view, storage_nbytes = None, None, record.nbytes  # a tensor without one storage: its own
+    if storage is not None:
+        kind = leaves.kind_of_storage.get(storage)
+        view = (
+            storage,
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.stride(),
+            tensor.dtype,
         )
-    view = (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-    kind = leaves.kind_of_storage.get(storage)
+        storage_nbytes = tensor.untyped_storage().nbytes()
     return SavedTensor(
         record.label,
         record.shape,
         record.dtype,
-        nbytes,
+        record.nbytes,
         "kept",
         None,
         storage,
-        tensor.untyped_storage().nbytes(),
+        storage_nbytes,
         kind is not None,
         names.of(tensor),
         view,
