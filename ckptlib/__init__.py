@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 # Imported eagerly: the function is what ``import ckptlib`` is for. Its module is
 # ``ckptlib.core.checkpoint`` (the mechanism; ``ckptlib/core/__init__.py`` says what to read next).
-from ckptlib.core.checkpoint import CheckpointError, checkpoint
+from ckptlib.core.checkpoint import CheckpointError as CheckpointError, checkpoint as checkpoint
 
 # public name -> module that defines it (see docs/design.md, "Module map")
 _PUBLIC = {

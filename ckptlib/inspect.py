@@ -17,23 +17,26 @@ Around it:
   ``record_trace()``: a ``pack`` event with the region and index;
 * after each call, the nodes made since the saves it caused are read back
   (autograd numbers nodes as it makes them: ``node._sequence_nr()``; the walk
-  from the call's outputs stops at older ones). Reading ``node._saved_mat1``
-  goes through the unpack hook, which tells which recorded tensor it was; for
-  dropped tensors ``ckptlib.peek_saved`` answers with the region and
-  index, without recomputing anything. That names the node and the attribute.
+  from the call's outputs stops at older ones). Each saved tensor's box holds
+  what the pack hook stored: this recorder's own record of the save, or, for a
+  tensor a checkpoint dropped, the checkpoint's handle, whose region and index
+  ``ckptlib.peek_saved`` tells without recomputing anything. That
+  names the node and the attribute.
 
 A Python number in an op (``x * 0.5``) is saved as a 0-dim tensor that
 autograd never passes to saved-tensor hooks: the walk below lists it, recording
 cannot (8 bytes each).
 
 ``saved_tensors_report(outputs)`` walks a graph that already exists, from the
-outputs' ``grad_fn`` through ``next_functions``, and reads every ``_saved_*``
-attribute the same way. It cannot know modules or functions, nor which dropped
+outputs' ``grad_fn`` through ``next_functions``, and reads every saved tensor the
+same way: both use :mod:`ckptlib.autograd_walk`, the walker ``ckptlib.graph``
+draws with. It cannot know modules or functions, nor which dropped
 tensors shared a storage or were parameters (only their shape and dtype were
 kept: such rows have kind "unknown" and each counts on its own, so
-``dropped_bytes`` is an upper bound there); tensors saved under
-another hook (``torch.utils.checkpoint``) are unpacked by that hook, which for
-torch's checkpoint means a recomputation.
+``dropped_bytes`` is an upper bound there). Tensors ``torch.utils.checkpoint``
+dropped are recognised without unpacking them (a recomputation, for that
+checkpoint): "dropped" rows of region ``torch.utils.checkpoint#0``. Tensors saved
+under any other hook are unpacked by that hook.
 
 Counting
 ========
@@ -52,11 +55,11 @@ to that hook.
 Everything printed is deterministic: storages are numbered ``s0, s1, ...`` in
 order of first appearance and checkpoint regions ``name#0, name#1, ...``.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import deque
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable, Iterator, Sequence, Union
@@ -68,12 +71,18 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ckptlib._arguments import function, got, integer
+from ckptlib.autograd_walk import SavedRecord, read_saved, walk
 from ckptlib.core.trace import CheckpointTrace, record_trace
 from ckptlib.core.checkpoint import is_recomputing
-from ckptlib.core.peek import peek_saved
 from ckptlib.memory import format_bytes
 
-__all__ = ["SavedTensor", "SavedTensorsReport", "ModuleTotals", "record_saved", "saved_tensors_report"]
+__all__ = [
+    "SavedTensor",
+    "SavedTensorsReport",
+    "ModuleTotals",
+    "record_saved",
+    "saved_tensors_report",
+]
 
 Outputs = Union[torch.Tensor, Sequence[Any]]
 _STATE = ("parameter", "buffer")  # saved, but alive anyway: left out of the totals
@@ -83,18 +92,18 @@ _STATE = ("parameter", "buffer")  # saved, but alive anyway: left out of the tot
 class SavedTensor:
     """One tensor autograd saved for backward (one row of a :class:`SavedTensorsReport`)."""
 
-    module: str            # path of the module that was running ("" at top level or unknown)
-    op: str                # torch function that saved it ("linear"); "" when unknown
-    node: str              # autograd node holding it ("AddmmBackward0"); "?" when not found
-    attribute: str         # name on the node (node._saved_mat1 -> "mat1")
+    module: str  # path of the module that was running ("" at top level or unknown)
+    op: str  # torch function that saved it ("linear"); "" when unknown
+    node: str  # autograd node holding it ("AddmmBackward0"); "?" when not found
+    attribute: str  # name on the node (node._saved_mat1 -> "mat1")
     shape: tuple[int, ...]
     dtype: torch.dtype
-    nbytes: int            # this tensor's own elements
-    storage: str           # "s0", "s1", ...: same label, same memory
-    storage_bytes: int     # the whole storage it views (what keeping it costs)
-    kind: str              # "activation", "parameter", "buffer", or "unknown" (see the notes)
-    status: str            # "kept", "dropped" or "hooked"
-    region: str = ""       # the checkpoint region it belongs to, if any
+    nbytes: int  # this tensor's own elements
+    storage: str  # "s0", "s1", ...: same label, same memory
+    storage_bytes: int  # the whole storage it views (what keeping it costs)
+    kind: str  # "activation", "parameter", "buffer", or "unknown" (see the notes)
+    status: str  # "kept", "dropped" or "hooked"
+    region: str = ""  # the checkpoint region it belongs to, if any
 
     def as_dict(self) -> dict[str, Any]:
         """The row with plain values (shape as a list, dtype as a string), e.g. for JSON."""
@@ -112,8 +121,10 @@ class ModuleTotals:
     tensors: int
 
     def __str__(self) -> str:
-        return (f"kept {format_bytes(self.kept_bytes)}, dropped {format_bytes(self.dropped_bytes)} "
-                f"({self.tensors} saves)")
+        return (
+            f"kept {format_bytes(self.kept_bytes)}, dropped {format_bytes(self.dropped_bytes)} "
+            f"({self.tensors} saves)"
+        )
 
 
 class SavedTensorsReport:
@@ -125,24 +136,34 @@ class SavedTensorsReport:
     >>> z = (y * y).sum()             # y is saved twice (as self and as other): one storage
     >>> report = saved_tensors_report(z)
     >>> [(row.node, row.attribute, row.storage) for row in report.rows]
-    [('MulBackward0', 'other', 's0'), ('MulBackward0', 'self', 's0'), ('ReluBackward0', 'result', 's0')]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('MulBackward0', 'other', 's0'), ('MulBackward0', 'self', 's0'),
+     ('ReluBackward0', 'result', 's0')]
     >>> report.kept_bytes             # 4 x 8 float32, once
     128
     """
 
     def __init__(self, rows: Sequence[SavedTensor] = ()) -> None:
         if isinstance(rows, (str, bytes)) or not isinstance(rows, Iterable):
-            raise TypeError(f"SavedTensorsReport: rows must be a list of SavedTensor rows, {got(rows)}.")
+            raise TypeError(
+                f"SavedTensorsReport: rows must be a list of SavedTensor rows, {got(rows)}."
+            )
         self.rows: list[SavedTensor] = list(rows)
         for position, row in enumerate(self.rows):
             if not isinstance(row, SavedTensor):
-                raise TypeError(f"SavedTensorsReport: rows must be SavedTensor rows (as saved_tensors_report "
-                                f"makes them), but rows[{position}] is {got(row)[4:]}.")
+                raise TypeError(
+                    f"SavedTensorsReport: rows must be SavedTensor rows (as saved_tensors_report "
+                    f"makes them), but rows[{position}] is {got(row)[4:]}."
+                )
 
     def _storages(self, status: str) -> dict[str, int]:
-        """Storages of activations (not parameters or buffers) with a save of this status -> bytes."""
-        return {row.storage: row.storage_bytes for row in self.rows
-                if row.kind not in _STATE and row.status == status}
+        """Storages of activations (not parameters or buffers) with a save of this status ->
+        bytes."""
+        return {
+            row.storage: row.storage_bytes
+            for row in self.rows
+            if row.kind not in _STATE and row.status == status
+        }
 
     @property
     def kept_bytes(self) -> int:
@@ -153,12 +174,16 @@ class SavedTensorsReport:
     def dropped_bytes(self) -> int:
         """Activation memory only dropped saves referenced: what the checkpoints freed."""
         kept = self._storages("kept")
-        return sum(size for storage, size in self._storages("dropped").items() if storage not in kept)
+        return sum(
+            size for storage, size in self._storages("dropped").items() if storage not in kept
+        )
 
     @property
     def state_bytes(self) -> int:
         """Parameters and buffers that were saved (not in the totals: they live anyway)."""
-        return sum({row.storage: row.storage_bytes for row in self.rows if row.kind in _STATE}.values())
+        return sum(
+            {row.storage: row.storage_bytes for row in self.rows if row.kind in _STATE}.values()
+        )
 
     def by_module(self, depth: int | None = None) -> dict[str, ModuleTotals]:
         """Totals per module path, cut to its first ``depth`` parts (``depth=2``: ``blocks.0``).
@@ -194,30 +219,58 @@ class SavedTensorsReport:
         return len(self.rows)
 
     def __str__(self) -> str:
-        columns = ["module", "op", "node", "saved", "shape", "dtype", "bytes", "storage", "kind", "status"]
+        columns = [
+            "module",
+            "op",
+            "node",
+            "saved",
+            "shape",
+            "dtype",
+            "bytes",
+            "storage",
+            "kind",
+            "status",
+        ]
         with_region = any(row.region for row in self.rows)
         if with_region:
             columns.append("region")
         table = [columns]
         for row in self.rows:
-            cells = [row.module or "-", row.op or "-", row.node, row.attribute,
-                     "x".join(map(str, row.shape)) or "scalar", str(row.dtype).replace("torch.", ""),
-                     format_bytes(row.nbytes), row.storage, row.kind, row.status]
+            cells = [
+                row.module or "-",
+                row.op or "-",
+                row.node,
+                row.attribute,
+                "x".join(map(str, row.shape)) or "scalar",
+                str(row.dtype).replace("torch.", ""),
+                format_bytes(row.nbytes),
+                row.storage,
+                row.kind,
+                row.status,
+            ]
             table.append(cells + [row.region or "-"] if with_region else cells)
         widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
+        lines = [
+            "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
+            for line in table
+        ]
         kept = self._storages("kept")
         lines.append(f"activations kept: {format_bytes(self.kept_bytes)} in {len(kept)} storages")
         if any(row.status == "dropped" for row in self.rows):
             lines.append(f"activations dropped by checkpoints: {format_bytes(self.dropped_bytes)}")
         if self.state_bytes:
-            lines.append(f"parameters and buffers saved: {format_bytes(self.state_bytes)} "
-                         "(not counted: they live anyway)")
+            lines.append(
+                f"parameters and buffers saved: {format_bytes(self.state_bytes)} "
+                "(not counted: they live anyway)"
+            )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return (f"SavedTensorsReport({len(self.rows)} saved tensors, kept {format_bytes(self.kept_bytes)}, "
-                f"dropped {format_bytes(self.dropped_bytes)})")
+        return (
+            f"SavedTensorsReport({len(self.rows)} saved tensors, "
+            f"kept {format_bytes(self.kept_bytes)}, "
+            f"dropped {format_bytes(self.dropped_bytes)})"
+        )
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         # Jupyter shows the table when the report is a cell's last expression.
@@ -225,42 +278,17 @@ class SavedTensorsReport:
 
 
 # ---------------------------------------------------------------------------
-# Shared by both ways: reading a node's saved tensors without recomputing
+# Shared by both ways (reading saved tensors is ckptlib.autograd_walk's)
 # ---------------------------------------------------------------------------
-
-
-def _saved_attributes(node: Any) -> list[str]:
-    """``["_saved_mat1", ...]``; ``saved_tensors`` for a custom ``autograd.Function``."""
-    names = [name for name in dir(node) if name.startswith("_saved_")]
-    if isinstance(node, torch.autograd.function.BackwardCFunction):
-        names.append("saved_tensors")
-    return names
-
-
-def _read(node: Any, attribute: str) -> list[Any]:
-    """The values behind one saved attribute (a list attribute gives several); [] once freed."""
-    try:
-        value = getattr(node, attribute)
-    except RuntimeError:  # freed by a backward pass that did not retain the graph
-        return []
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _nodes(roots: Sequence[Any], first: int = 0) -> Iterator[Any]:
-    """Breadth-first over the graph from ``roots``, only nodes with ``_sequence_nr() >= first``."""
-    queue, seen = deque(roots), set()
-    while queue:
-        node = queue.popleft()
-        if node is None or node in seen or node._sequence_nr() < first:
-            continue
-        seen.add(node)
-        yield node
-        queue.extend(next_node for next_node, _ in node.next_functions)
 
 
 def _grad_fns(value: Any) -> list[Any]:
     leaves, _ = tree_flatten(value)
-    return [leaf.grad_fn for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None]
+    return [
+        leaf.grad_fn
+        for leaf in leaves
+        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None
+    ]
 
 
 def _kind_of(tensor: torch.Tensor) -> str:
@@ -270,8 +298,14 @@ def _kind_of(tensor: torch.Tensor) -> str:
 
 def _state_storages(module: nn.Module, recurse: bool) -> dict[StorageWeakRef, str]:
     """The storages of ``module``'s parameters and buffers -> ``"parameter"`` / ``"buffer"``."""
-    state = {StorageWeakRef(buffer.untyped_storage()): "buffer" for buffer in module.buffers(recurse=recurse)}
-    state.update((StorageWeakRef(p.untyped_storage()), "parameter") for p in module.parameters(recurse=recurse))
+    state = {
+        StorageWeakRef(buffer.untyped_storage()): "buffer"
+        for buffer in module.buffers(recurse=recurse)
+    }
+    state.update(
+        (StorageWeakRef(p.untyped_storage()), "parameter")
+        for p in module.parameters(recurse=recurse)
+    )
     return state
 
 
@@ -281,17 +315,21 @@ def _short_op(func: Any) -> str:
 
 
 def _region_label(labels: dict[Any, str], region: Any) -> str:
-    """``RegionId("Sequential", 17)`` -> ``"Sequential#0"``: ckptlib numbers regions process-wide, a
-    report numbers them per name in order of appearance, so printed reports are reproducible."""
+    """``"Sequential@17"`` -> ``"Sequential#0"``: ckptlib numbers regions process-wide, a report
+    numbers them per name in order of appearance, so printed reports are reproducible."""
     if region not in labels:
         name = getattr(region, "name", region)   # a RegionId, or a label such as torch's checkpoint
-        labels[region] = f"{name}#{sum(label.rsplit('#', 1)[0] == name for label in labels.values())}"
+        labels[region] = (
+            f"{name}#{sum(label.rsplit('#', 1)[0] == name for label in labels.values())}"
+        )
     return labels[region]
 
 
-def _attribute_label(attribute: str, position: int, count: int) -> str:
-    label = attribute.removeprefix("_saved_")
-    return f"{label}[{position}]" if count > 1 else label
+def _attribute_label(record: SavedRecord) -> str:
+    """The attribute a row names: ``"mat1"``, ``"saved_tensors"``, ``"tensors[1]"`` in a list
+    of several."""
+    label = record.attribute.removeprefix("_saved_")
+    return f"{label}[{record.index}]" if record.count > 1 else label
 
 
 # ---------------------------------------------------------------------------
@@ -308,11 +346,11 @@ class _Save:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
-    storage: StorageWeakRef    # identity of the storage (keeps no memory alive)
+    storage: StorageWeakRef  # identity of the storage (keeps no memory alive)
     storage_bytes: int
     kind: str
     status: str
-    seq: int                   # newest autograd node when saved: the node saving it (nodes are numbered)
+    seq: int  # newest autograd node when saved: the node saving it (nodes are numbered)
     region: str = ""
     node: str = "?"
     attribute: str = ""
@@ -335,18 +373,18 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.trace = trace
         self.saves: list[_Save] = []
-        self.dropped: dict[tuple[str, int], _Save] = {}   # (region, index) -> save
-        self.unpacked: list[_Save] = []                    # filled by unpack while naming
+        self.dropped: dict[tuple[str, int], _Save] = {}  # (region, index) -> save
         self.module_path: list[str] = []
         self.module_names: dict[nn.Module, str] = {}
-        self.state: dict[StorageWeakRef, str] = {}         # parameter/buffer storages -> kind
+        self.state: dict[StorageWeakRef, str] = {}  # parameter/buffer storages -> kind
         self.op = ""
         self.in_call = False
         self.named_upto = 0
 
     @staticmethod
     def recording() -> bool:
-        """Forward only: saves made by backward (``create_graph``) or recomputation are not recorded."""
+        """Forward only: saves made by backward (``create_graph``) or recomputation are not
+        recorded."""
         return torch._C._current_graph_task_id() == -1 and not is_recomputing()
 
     # -- modules ------------------------------------------------------------
@@ -368,10 +406,18 @@ class _Recorder(TorchFunctionMode):
     def record(self, tensor: torch.Tensor, status: str) -> _Save:
         storage = tensor.untyped_storage()
         key = StorageWeakRef(storage)
-        save = _Save(self.module_path[-1] if self.module_path else "", self.op if self.in_call else "",
-                     tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size(), key,
-                     storage.nbytes(), self.state.get(key, _kind_of(tensor)), status,
-                     torch._C._autograd._get_sequence_nr() - 1)
+        save = _Save(
+            self.module_path[-1] if self.module_path else "",
+            self.op if self.in_call else "",
+            tuple(tensor.shape),
+            tensor.dtype,
+            tensor.numel() * tensor.element_size(),
+            key,
+            storage.nbytes(),
+            self.state.get(key, _kind_of(tensor)),
+            status,
+            torch._C._autograd._get_sequence_nr() - 1,
+        )
         if not self.in_call:
             save.trace_position = len(self.trace.events)
         self.saves.append(save)
@@ -382,10 +428,7 @@ class _Recorder(TorchFunctionMode):
         return _Packed(detached, self.record(tensor, "kept")) if self.recording() else detached
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, _Packed):
-            self.unpacked.append(packed.save)
-            return packed.tensor
-        return packed
+        return packed.tensor if isinstance(packed, _Packed) else packed
 
     def pack_under(self, inner_pack: Callable[[torch.Tensor], Any], tensor: torch.Tensor) -> Any:
         """Pack for the hook that is on top (a checkpoint's), noting what it did with the tensor."""
@@ -407,7 +450,9 @@ class _Recorder(TorchFunctionMode):
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         hooks = contextlib.nullcontext()
         if top is not None and top[0] != self.pack:
-            hooks = torch.autograd.graph.saved_tensors_hooks(partial(self.pack_under, top[0]), top[1])
+            hooks = torch.autograd.graph.saved_tensors_hooks(
+                partial(self.pack_under, top[0]), top[1]
+            )
         self.op, self.in_call = _short_op(func), True
         try:
             with hooks:
@@ -419,23 +464,24 @@ class _Recorder(TorchFunctionMode):
 
     def name_new_saves(self, out: Any) -> None:
         """Find the node and attribute of the saves made since the last call (see the notes)."""
-        new = self.saves[self.named_upto:]
+        new = self.saves[self.named_upto :]
         self.named_upto = len(self.saves)
         if not new or any(save.status == "hooked" for save in new):
             return  # nothing to name, or a foreign hook whose unpack might recompute
-        with peek_saved() as peek:
-            for node in _nodes(_grad_fns(out), first=min(save.seq for save in new)):
-                for attribute in _saved_attributes(node):
-                    self.unpacked.clear()
-                    values = _read(node, attribute)
-                    info = peek.take()
-                    found = list(self.unpacked)
-                    if info is not None and (info.region, info.index) in self.dropped:
-                        found.append(self.dropped[(info.region, info.index)])
-                    for position, save in enumerate(found):
-                        save.node = node.name()
-                        save.attribute = _attribute_label(attribute, position, len(values))
-        self.unpacked.clear()
+        for node in walk(_grad_fns(out), first=min(save.seq for save in new)).nodes:
+            for record in read_saved(node):
+                save = self.save_of(record)
+                if save is not None:
+                    save.node, save.attribute = node.name(), _attribute_label(record)
+
+    def save_of(self, record: SavedRecord) -> _Save | None:
+        """The recorded save behind a saved tensor: what this recorder's pack stored, or what a
+        checkpoint dropped (known by its region and index)."""
+        if isinstance(record.packed, _Packed):
+            return record.packed.save
+        if record.info is not None:
+            return self.dropped.get((record.info.region, record.info.index))
+        return None
 
     # -- the report -----------------------------------------------------------
     def finish(self) -> list[SavedTensor]:
@@ -446,12 +492,28 @@ class _Recorder(TorchFunctionMode):
             if save.node == "?" and save.trace_position is not None:
                 region = self._region_starting_at(save.trace_position)
                 if region is not None:  # checkpoint() kept this input of a region starting here
-                    save.op, save.node, save.attribute, save.region = "checkpoint", "checkpoint", "input", region
-            rows.append(SavedTensor(
-                save.module, save.op, save.node, save.attribute, save.shape, save.dtype, save.nbytes,
-                storages.setdefault(save.storage, f"s{len(storages)}"), save.storage_bytes, save.kind,
-                save.status, _region_label(regions, save.region) if save.region else "",
-            ))
+                    save.op, save.node, save.attribute, save.region = (
+                        "checkpoint",
+                        "checkpoint",
+                        "input",
+                        region,
+                    )
+            rows.append(
+                SavedTensor(
+                    save.module,
+                    save.op,
+                    save.node,
+                    save.attribute,
+                    save.shape,
+                    save.dtype,
+                    save.nbytes,
+                    storages.setdefault(save.storage, f"s{len(storages)}"),
+                    save.storage_bytes,
+                    save.kind,
+                    save.status,
+                    _region_label(regions, save.region) if save.region else "",
+                )
+            )
         return rows
 
     def _region_starting_at(self, position: int) -> str | None:
@@ -493,7 +555,9 @@ def record_saved(model: nn.Module | None = None) -> Iterator[SavedTensorsReport]
         if model is not None:
             recorder.state.update(_state_storages(model, recurse=True))
         pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.enter_module)
-        post = torch.nn.modules.module.register_module_forward_hook(recorder.leave_module, always_call=True)
+        post = torch.nn.modules.module.register_module_forward_hook(
+            recorder.leave_module, always_call=True
+        )
         try:
             with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack), recorder:
                 yield report
@@ -508,8 +572,9 @@ def record_saved(model: nn.Module | None = None) -> Iterator[SavedTensorsReport]
 # ---------------------------------------------------------------------------
 
 
-def saved_tensors_report(outputs_or_fn: Outputs | Callable[[], Any], model: nn.Module | None = None
-                         ) -> SavedTensorsReport:
+def saved_tensors_report(
+    outputs_or_fn: Outputs | Callable[[], Any], model: nn.Module | None = None
+) -> SavedTensorsReport:
     """What autograd saved: for a function (run under :func:`record_saved`, with modules and
     functions named) or for the graph behind existing output tensors (walked node by node).
 
@@ -523,18 +588,26 @@ def saved_tensors_report(outputs_or_fn: Outputs | Callable[[], Any], model: nn.M
     >>> x = torch.randn(4, 8, requires_grad=True)
     >>> report = saved_tensors_report(lambda: checkpoint(lambda t: t.sin().exp(), x))
     >>> [(row.node, row.attribute, row.status) for row in report.rows]
-    [('checkpoint', 'input', 'kept'), ('SinBackward0', 'self', 'dropped'), ('ExpBackward0', 'result', 'dropped')]
+    ... # doctest: +NORMALIZE_WHITESPACE
+    [('checkpoint', 'input', 'kept'), ('SinBackward0', 'self', 'dropped'),
+     ('ExpBackward0', 'result', 'dropped')]
     >>> report.kept_bytes, report.dropped_bytes   # x is kept; sin's output was dropped
     (128, 128)
     """
     _check_model(model, "saved_tensors_report")
-    accepts = ("a function to run with no arguments (saved_tensors_report(lambda: model(x))), or the "
-               "output tensor(s) of a forward pass (a tensor, or a list, tuple or dict of tensors)")
+    accepts = (
+        "a function to run with no arguments (saved_tensors_report(lambda: model(x))), or the "
+        "output tensor(s) of a forward pass (a tensor, or a list, tuple or dict of tensors)"
+    )
     if isinstance(outputs_or_fn, nn.Module):
-        raise TypeError(f"saved_tensors_report: outputs_or_fn is the module {type(outputs_or_fn).__name__} "
-                        f"itself; it must be {accepts}.")
+        raise TypeError(
+            f"saved_tensors_report: outputs_or_fn is the module {type(outputs_or_fn).__name__} "
+            f"itself; it must be {accepts}."
+        )
     if callable(outputs_or_fn) and not isinstance(outputs_or_fn, torch.Tensor):
-        function(outputs_or_fn, "outputs_or_fn", takes=0, accepts=accepts, where="saved_tensors_report")
+        function(
+            outputs_or_fn, "outputs_or_fn", takes=0, accepts=accepts, where="saved_tensors_report"
+        )
         with record_saved(model) as report:
             outputs = outputs_or_fn()
         del outputs  # the graph had to live until the block ended; the rows keep no tensors
@@ -542,46 +615,65 @@ def saved_tensors_report(outputs_or_fn: Outputs | Callable[[], Any], model: nn.M
     leaves, _ = tree_flatten(outputs_or_fn)
     if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
         error = ValueError if isinstance(outputs_or_fn, (list, tuple, dict)) else TypeError
-        raise error(f"saved_tensors_report: outputs_or_fn must be {accepts}; {got(outputs_or_fn)}, "
-                    "which holds no tensor.")
-    return _walk_report(_grad_fns(outputs_or_fn), _state_storages(model, recurse=True) if model is not None else {})
+        raise error(
+            f"saved_tensors_report: outputs_or_fn must be {accepts}; {got(outputs_or_fn)}, "
+            "which holds no tensor."
+        )
+    return _walk_report(
+        _grad_fns(outputs_or_fn), _state_storages(model, recurse=True) if model is not None else {}
+    )
 
 
 def _check_model(model: Any, where: str) -> None:
     if model is not None and not isinstance(model, nn.Module):
-        raise TypeError(f"{where}: model must be an nn.Module (its parameters and buffers are marked as such) "
-                        f"or None, {got(model)}.")
+        raise TypeError(
+            f"{where}: model must be an nn.Module (its parameters and buffers are marked as such) "
+            f"or None, {got(model)}."
+        )
 
 
 def _walk_report(roots: Sequence[Any], state: dict[StorageWeakRef, str]) -> SavedTensorsReport:
-    # Storage keys: ("storage", address) for a tensor in memory, ("dropped", region, index)
-    # for one a checkpoint dropped. ``refs`` holds a weak reference to every storage seen,
-    # so no address can be reused by a new storage during the walk.
+    # Storage keys: ("storage", address) for a tensor in memory, ("dropped", ...) for one a
+    # checkpoint dropped. ``refs`` holds a weak reference to every storage seen, so no
+    # address can be reused by a new storage during the walk.
     labels: dict[tuple, str] = {}
     refs: list[StorageWeakRef] = []
     regions: dict[str, str] = {}
     rows = []
-    with peek_saved() as peek:
-        for node in _nodes(roots):
-            for attribute in _saved_attributes(node):
-                values = _read(node, attribute)
-                info = peek.take()
-                tensors = [value for value in values if isinstance(value, torch.Tensor)]
-                for position, tensor in enumerate(tensors):
-                    label = _attribute_label(attribute, position, len(tensors))
-                    if info is not None:
-                        # Dropped by a checkpoint: only its metadata is known, so it gets a storage
-                        # of its own and kind "unknown" (it may have been a parameter).
-                        storage = labels.setdefault(("dropped", info.region, info.index), f"s{len(labels)}")
-                        rows.append(SavedTensor("", "", node.name(), label, info.meta.shape, info.meta.dtype,
-                                                info.meta.nbytes, storage, info.meta.nbytes, "unknown",
-                                                "dropped", _region_label(regions, info.region)))
-                        continue
-                    ref = StorageWeakRef(tensor.untyped_storage())
-                    refs.append(ref)
-                    storage = labels.setdefault(("storage", ref.cdata), f"s{len(labels)}")
-                    rows.append(SavedTensor("", "", node.name(), label, tuple(tensor.shape), tensor.dtype,
-                                            tensor.numel() * tensor.element_size(), storage,
-                                            tensor.untyped_storage().nbytes(), state.get(ref, _kind_of(tensor)),
-                                            "kept"))
+    for node in walk(roots).nodes:
+        for record in read_saved(node):
+            label = _attribute_label(record)
+            if record.status in ("freed", "modified") or record.shape is None:
+                # Nothing held (or backward would fail); or torch's records moved: nothing known.
+                continue
+            if record.status != "kept":
+                # Dropped by a checkpoint: only its metadata is known, so it gets a storage of
+                # its own and kind "unknown" (it may have been a parameter).
+                info = record.info
+                key = ("dropped", info.region, info.index) if info else ("dropped", len(rows))
+                storage_bytes, kind, status = record.nbytes, "unknown", "dropped"
+                region = _region_label(regions, record.region) if record.region else ""
+            else:
+                storage = record.tensor.untyped_storage()
+                ref = StorageWeakRef(storage)
+                refs.append(ref)
+                key = ("storage", ref.cdata)
+                storage_bytes, kind = storage.nbytes(), state.get(ref, _kind_of(record.tensor))
+                status, region = "kept", ""
+            rows.append(
+                SavedTensor(
+                    "",
+                    "",
+                    node.name(),
+                    label,
+                    record.shape,
+                    record.dtype,
+                    record.nbytes,
+                    labels.setdefault(key, f"s{len(labels)}"),
+                    storage_bytes,
+                    kind,
+                    status,
+                    region,
+                )
+            )
     return SavedTensorsReport(rows)

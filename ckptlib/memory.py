@@ -77,6 +77,7 @@ each resets the device's one peak counter, so an outer one would lose its peak.
 >>> sorted({entry.phase for entry in report.timeline})
 ['backward', 'forward']
 """
+
 from __future__ import annotations
 
 import math
@@ -90,30 +91,53 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from ckptlib._arguments import flag, function, got
+from ckptlib._arguments import flag, function, got, integer
 from ckptlib.core.checkpoint import is_recomputing
+from ckptlib.storage import storage_ptr
 
-__all__ = ["MemoryMeter", "MemoryReport", "TimelineEntry", "measure", "format_bytes"]
+__all__ = ["MemoryMeter", "MemoryReport", "TimelineEntry", "measure", "format_bytes", "unit_for"]
 
 BACKENDS = ("allocator", "tensors")
 PHASES = ("forward", "backward", "recompute")
 
 
-def format_bytes(nbytes: float) -> str:
-    """``1536 -> '1.50 KiB'``: bytes in binary units, for tables and reports.
+_UNITS = (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30))
+
+
+def format_bytes(nbytes: float, digits: int = 2) -> str:
+    """``1536 -> '1.50 KiB'``: bytes in binary units, for tables, reports and pictures.
+
+    ``digits``: decimals after the point in KiB and up (whole bytes have none); the graphs'
+    boxes use 1.
 
     >>> format_bytes(512), format_bytes(3 * 2**20), format_bytes(float("nan"))
     ('512 B', '3.00 MiB', 'nan B')
+    >>> format_bytes(1536, digits=1)
+    '1.5 KiB'
     """
     if isinstance(nbytes, bool) or not isinstance(nbytes, numbers.Real):
-        raise TypeError(f"format_bytes: nbytes must be a number of bytes (int or float), {got(nbytes)}.")
+        raise TypeError(
+            f"format_bytes: nbytes must be a number of bytes (int or float), {got(nbytes)}."
+        )
+    integer(digits, "digits (decimals shown)", least=0, where="format_bytes")
     if not math.isfinite(nbytes):
         return f"{nbytes} B"  # a table cell that says what it is, rather than a crash
-    units = ("B", "KiB", "MiB", "GiB")
     power = 0
-    while abs(nbytes) >= 1024 and power < len(units) - 1:
+    while abs(nbytes) >= 1024 and power < len(_UNITS) - 1:
         nbytes, power = nbytes / 1024, power + 1
-    return f"{int(nbytes)} B" if power == 0 else f"{nbytes:.2f} {units[power]}"
+    return f"{int(nbytes)} B" if power == 0 else f"{nbytes:.{digits}f} {_UNITS[power][0]}"
+
+
+def unit_for(max_bytes: float) -> tuple[str, int]:
+    """The unit an axis of values up to ``max_bytes`` reads best in: ``(name, bytes in one)``, the
+    largest of B, KiB and MiB that ``max_bytes`` holds at least twice.
+
+    >>> unit_for(3 * 2**20), unit_for(1500), unit_for(0)
+    (('MiB', 1048576), ('B', 1), ('B', 1))
+    """
+    return next(
+        ((name, size) for name, size in reversed(_UNITS[:3]) if max_bytes >= 2 * size), _UNITS[0]
+    )
 
 
 class TimelineEntry(NamedTuple):
@@ -149,20 +173,22 @@ class MemoryReport:
         for entry in self.timeline:
             counts[entry.phase] += 1
         ops = ", ".join(f"{count} {phase}" for phase, count in counts.items() if count)
-        return (f"peak {format_bytes(self.peak_bytes)} above a baseline of "
-                f"{format_bytes(self.baseline_bytes)}; {format_bytes(self.retained_bytes)} still live "
-                f"at the end ({self.backend} meter on {self.device}; ops: {ops or 'none recorded'})")
+        return (
+            f"peak {format_bytes(self.peak_bytes)} above a baseline of "
+            f"{format_bytes(self.baseline_bytes)}; {format_bytes(self.retained_bytes)} still live "
+            f"at the end ({self.backend} meter on {self.device}; ops: {ops or 'none recorded'})"
+        )
 
 
 class _OpShape(NamedTuple):
     """What the meter needs to know about one aten op, read once from its schema."""
 
     name: str
-    may_be_new: tuple[bool, ...] | None   # per return: may it hold new memory? None: no return may
-    written: tuple[int | str, ...]        # positions (or keyword names) of the tensors it writes
-    resizes: bool                         # may it give a strided tensor it writes memory of another size?
-    keeps_storage: bool                   # writes only its first argument, in place (add_): same storage
-    fresh: bool                           # aten.lift_fresh: hands over a tensor made outside dispatch
+    may_be_new: tuple[bool, ...] | None  # per return: may it hold new memory? None: no return may
+    written: tuple[int | str, ...]  # positions (or keyword names) of the tensors it writes
+    resizes: bool  # may it give a strided tensor it writes memory of another size?
+    keeps_storage: bool  # writes only its first argument, in place (add_): same storage
+    fresh: bool  # aten.lift_fresh: hands over a tensor made outside dispatch
 
 
 # In-place ops keep a strided tensor's storage, except these (and ``out=`` arguments, which are
@@ -174,15 +200,29 @@ def _op_shape(func: Any) -> _OpShape:
     """A return may hold new memory unless it is no tensor (``aten._local_scalar_dense`` returns a
     number) or the schema says it aliases an input; an argument marked ``(a!)`` is written."""
     schema = func._schema
-    may_be_new = tuple(ret.alias_info is None and "Tensor" in str(ret.type) for ret in schema.returns)
-    written = [(position, argument) for position, argument in enumerate(schema.arguments)
-               if argument.alias_info is not None and argument.alias_info.is_write and "Tensor" in str(argument.type)]
+    may_be_new = tuple(
+        ret.alias_info is None and "Tensor" in str(ret.type) for ret in schema.returns
+    )
+    written = [
+        (position, argument)
+        for position, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None
+        and argument.alias_info.is_write
+        and "Tensor" in str(argument.type)
+    ]
     name = func._overloadpacket.__name__
-    places = tuple(argument.name if argument.kwarg_only else position for position, argument in written)
+    places = tuple(
+        argument.name if argument.kwarg_only else position for position, argument in written
+    )
     resizes = name in _RESIZING_OPS or any(argument.kwarg_only for _, argument in written)
-    return _OpShape(name, may_be_new if any(may_be_new) else None, places, resizes,
-                    not resizes and places == (0,) and "[]" not in str(written[0][1].type),
-                    func is torch.ops.aten.lift_fresh.default)
+    return _OpShape(
+        name,
+        may_be_new if any(may_be_new) else None,
+        places,
+        resizes,
+        not resizes and places == (0,) and "[]" not in str(written[0][1].type),
+        func is torch.ops.aten.lift_fresh.default,
+    )
 
 
 _COMPRESSED_PARTS = {
@@ -194,7 +234,8 @@ _COMPRESSED_PARTS = {
 
 
 def _memory_of(tensor: torch.Tensor) -> list[tuple[Any, int]]:
-    """(owner, bytes) for each block of memory ``tensor`` holds; the owner lives exactly as long as the block.
+    """(owner, bytes) for each block of memory ``tensor`` holds; the owner lives exactly as long
+    as the block.
 
     A strided tensor holds its storage. A sparse COO tensor holds no storage of its own but two
     tensors, indices and values; a compressed one (CSR, CSC, BSR, BSC) three. A wrapper subclass
@@ -203,19 +244,25 @@ def _memory_of(tensor: torch.Tensor) -> list[tuple[Any, int]]:
     tensor itself. Anything else that has no storage shows no memory (the meter cannot see it).
     """
     layout = tensor.layout
-    if layout is torch.strided and type(tensor) is torch.Tensor:   # the common case, first
+    if layout is torch.strided and type(tensor) is torch.Tensor:  # the common case, first
         storage = tensor.untyped_storage()
         return [(storage, storage.nbytes())]
     if layout is torch.sparse_coo:
         return _memory_of(tensor._indices()) + _memory_of(tensor._values())
     if layout in _COMPRESSED_PARTS:
-        return [block for part in _COMPRESSED_PARTS[layout] for block in _memory_of(getattr(tensor, part)())]
-    if layout is torch._mkldnn:   # type: ignore[attr-defined]
+        return [
+            block
+            for part in _COMPRESSED_PARTS[layout]
+            for block in _memory_of(getattr(tensor, part)())
+        ]
+    if layout is torch._mkldnn:  # type: ignore[attr-defined]
         return [(tensor, tensor.numel() * tensor.element_size())]
     flatten = getattr(tensor, "__tensor_flatten__", None)
     if flatten is not None and type(tensor) is not torch.Tensor:
         inner = [getattr(tensor, name) for name in flatten()[0]]
-        return [block for part in inner if isinstance(part, torch.Tensor) for block in _memory_of(part)]
+        return [
+            block for part in inner if isinstance(part, torch.Tensor) for block in _memory_of(part)
+        ]
     try:
         storage = tensor.untyped_storage()
         return [(storage, storage.nbytes())]
@@ -233,8 +280,8 @@ def _input_addresses(args: tuple) -> set[int]:
     addresses = set()
     for arg in args:
         for tensor in arg if isinstance(arg, (list, tuple)) else (arg,):
-            if type(tensor) is torch.Tensor and tensor.layout is torch.strided:   # the common case
-                addresses.add(tensor.untyped_storage().data_ptr())
+            if type(tensor) is torch.Tensor and tensor.layout is torch.strided:  # the common case
+                addresses.add(storage_ptr(tensor))
             elif isinstance(tensor, torch.Tensor):
                 addresses.update(_address(owner) for owner, _ in _memory_of(tensor))
     return addresses
@@ -244,10 +291,19 @@ def _resizable_written(shape: _OpShape, args: tuple, kwargs: dict) -> list[torch
     """The tensors an op writes that it may give memory of another size (see ``_RESIZING_OPS``)."""
     found = []
     for where in shape.written:
-        value = kwargs.get(where) if isinstance(where, str) else args[where] if where < len(args) else None
+        value = (
+            kwargs.get(where)
+            if isinstance(where, str)
+            else args[where]
+            if where < len(args)
+            else None
+        )
         for tensor in value if isinstance(value, (list, tuple)) else (value,):
-            if isinstance(tensor, torch.Tensor) and not tensor.is_meta \
-                    and (shape.resizes or tensor.layout is not torch.strided):
+            if (
+                isinstance(tensor, torch.Tensor)
+                and not tensor.is_meta
+                and (shape.resizes or tensor.layout is not torch.strided)
+            ):
                 found.append(tensor)
     return found
 
@@ -265,8 +321,11 @@ class _OpWatcher(TorchDispatchMode):
         described = meter._ops.get(id(func))
         shape = described[1] if described is not None else meter._describe(func)
         written = None
-        if shape.written and not (shape.keeps_storage and type(args[0]) is torch.Tensor
-                                  and args[0].layout is torch.strided):
+        if shape.written and not (
+            shape.keeps_storage
+            and type(args[0]) is torch.Tensor
+            and args[0].layout is torch.strided
+        ):
             written = meter._before_writing(shape, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         meter._after_op(shape, args, out, written)
@@ -295,7 +354,9 @@ def _listen_to_storage_resizes(meter: "MemoryMeter", listen: bool) -> None:
             _resize_listeners.append(meter)
         else:
             _resize_listeners.remove(meter)
-        torch.UntypedStorage.resize_ = _storage_resize_ if _resize_listeners else _ORIGINAL_STORAGE_RESIZE
+        torch.UntypedStorage.resize_ = (
+            _storage_resize_ if _resize_listeners else _ORIGINAL_STORAGE_RESIZE
+        )
 
 
 class MemoryMeter:
@@ -325,31 +386,50 @@ class MemoryMeter:
     [('view', 0), ('t', 0), ('mul', 1024), ('sum', 1028)]
     """
 
-    def __init__(self, device: torch.device | str | None = None, *, backend: str = "auto",
-                 timeline: bool = True, on_op: Callable[[TimelineEntry], None] | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        backend: str = "auto",
+        timeline: bool = True,
+        on_op: Callable[[TimelineEntry], None] | None = None,
+    ) -> None:
         self.device = _normalised(device)
         self.record_timeline = flag(timeline, "timeline", where="MemoryMeter")
         if on_op is not None:
-            function(on_op, "on_op", takes=1, where="MemoryMeter",
-                     accepts="a function called with each TimelineEntry, or None")
+            function(
+                on_op,
+                "on_op",
+                takes=1,
+                where="MemoryMeter",
+                accepts="a function called with each TimelineEntry, or None",
+            )
             if not timeline:
-                raise ValueError("MemoryMeter: on_op is called with each timeline entry, but timeline=False "
-                                 "records none; pass timeline=True, or leave on_op out.")
+                raise ValueError(
+                    "MemoryMeter: on_op is called with each timeline entry, but timeline=False "
+                    "records none; pass timeline=True, or leave on_op out."
+                )
         if backend == "auto":
-            backend = "allocator" if self.device is not None and self.device.type == "cuda" else "tensors"
+            backend = (
+                "allocator" if self.device is not None and self.device.type == "cuda" else "tensors"
+            )
         if backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r} is not a memory meter; use 'allocator' (CUDA), "
-                             "'tensors' (any device) or 'auto'.")
+            raise ValueError(
+                f"backend={backend!r} is not a memory meter; use 'allocator' (CUDA), "
+                "'tensors' (any device) or 'auto'."
+            )
         if backend == "allocator" and (self.device is None or self.device.type != "cuda"):
-            raise ValueError(f"backend='allocator' reads the CUDA caching allocator, but device={device!r}; "
-                             "pass device='cuda', or use backend='tensors' to count tensors on any device.")
+            raise ValueError(
+                f"backend='allocator' reads the CUDA caching allocator, but device={device!r}; "
+                "pass device='cuda', or use backend='tensors' to count tensors on any device."
+            )
         self.backend = backend
         self.on_op = on_op
         self.timeline: list[TimelineEntry] = []
         self._lock = threading.Lock()
         self._storages: dict[int, tuple[weakref.ref, int]] = {}  # id(owner) -> (weakref, nbytes)
-        self._live = 0          # tensors backend: bytes of counted storages alive now
-        self._peak = 0          # tensors backend: highest _live since entry
+        self._live = 0  # tensors backend: bytes of counted storages alive now
+        self._peak = 0  # tensors backend: highest _live since entry
         self._baseline = 0
         self._final: int | None = None
         # id(op) -> (op, what its schema says); holding the op keeps its id unique
@@ -359,7 +439,9 @@ class MemoryMeter:
     # -- entering and leaving ---------------------------------------------
     def __enter__(self) -> "MemoryMeter":
         if self._watcher is not None:
-            raise RuntimeError("this MemoryMeter is already running; use a second MemoryMeter to nest.")
+            raise RuntimeError(
+                "this MemoryMeter is already running; use a second MemoryMeter to nest."
+            )
         self.timeline = []
         self._final = None
         if self.backend == "allocator":
@@ -412,8 +494,14 @@ class MemoryMeter:
 
     def report(self) -> MemoryReport:
         """A snapshot of the readings (call it after the block for the final numbers)."""
-        return MemoryReport(self.peak_bytes, self.baseline_bytes, self.live_bytes, self.backend,
-                            str(self.device) if self.device is not None else "all devices", list(self.timeline))
+        return MemoryReport(
+            self.peak_bytes,
+            self.baseline_bytes,
+            self.live_bytes,
+            self.backend,
+            str(self.device) if self.device is not None else "all devices",
+            list(self.timeline),
+        )
 
     # -- per op (runs inside __torch_dispatch__: keep it lean) -------------
     def _describe(self, func: Any) -> _OpShape:
@@ -422,10 +510,13 @@ class MemoryMeter:
         return shape
 
     def _before_writing(self, shape: _OpShape, args: tuple, kwargs: dict) -> tuple | None:
-        """Before an op that writes tensors it may resize: their memory now, and its inputs' addresses."""
+        """Before an op that writes tensors it may resize: their memory now, and its inputs'
+        addresses."""
         if self.backend != "tensors":
             return None
-        written = [(tensor, _memory_of(tensor)) for tensor in _resizable_written(shape, args, kwargs)]
+        written = [
+            (tensor, _memory_of(tensor)) for tensor in _resizable_written(shape, args, kwargs)
+        ]
         return (written, _input_addresses(args)) if written else None
 
     def _after_op(self, shape: _OpShape, args: tuple, out: Any, written: tuple | None) -> None:
@@ -438,9 +529,12 @@ class MemoryMeter:
                 if isinstance(out, torch.Tensor):
                     self._count(out, args)
                 else:
-                    # Several returns (aten.native_layer_norm), or one list of tensors (aten._foreach_mul).
-                    for value, maybe in zip((out,) if len(shape.may_be_new) == 1 else out, shape.may_be_new):
-                        for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
+                    # Several returns (aten.native_layer_norm), or one list of tensors
+                    # (aten._foreach_mul).
+                    for value, maybe in zip(
+                        (out,) if len(shape.may_be_new) == 1 else out, shape.may_be_new
+                    ):
+                        for tensor in value if isinstance(value, (list, tuple)) else (value,):
                             if maybe and isinstance(tensor, torch.Tensor):
                                 self._count(tensor, args)
         if self.record_timeline:
@@ -450,7 +544,9 @@ class MemoryMeter:
                 phase = "backward"
             else:
                 phase = "forward"
-            entry = TimelineEntry._make((len(self.timeline), shape.name, phase, self._current() - self._baseline))
+            entry = TimelineEntry._make(
+                (len(self.timeline), shape.name, phase, self._current() - self._baseline)
+            )
             self.timeline.append(entry)
             if self.on_op is not None:
                 self.on_op(entry)
@@ -458,7 +554,9 @@ class MemoryMeter:
     def _count(self, tensor: torch.Tensor, args: tuple) -> None:
         if tensor.is_meta or (self.device is not None and tensor.device != self.device):
             return  # meta tensors have a shape but no memory
-        if type(tensor) is torch.Tensor and tensor.layout is torch.strided:   # the common case: one storage
+        if (
+            type(tensor) is torch.Tensor and tensor.layout is torch.strided
+        ):  # the common case: one storage
             storage = tensor.untyped_storage()
             if id(storage) not in self._storages:
                 self._count_block(storage, storage.nbytes(), args)
@@ -474,14 +572,19 @@ class MemoryMeter:
             self._track(owner, nbytes)
 
     def _count_fresh(self, tensor: torch.Tensor) -> None:
-        """``aten.lift_fresh`` hands dispatch a tensor made outside it: new memory from ``torch.tensor``,
-        but NumPy's own memory (made before) from ``torch.as_tensor``/``torch.from_numpy``. Only memory
-        torch's allocator gave this tensor can be resized: that is what the block allocated."""
+        """``aten.lift_fresh`` hands dispatch a tensor made outside it: new memory from
+        ``torch.tensor``, but NumPy's own memory (made before) from
+        ``torch.as_tensor``/``torch.from_numpy``. Only memory torch's allocator gave this tensor
+        can be resized: that is what the block allocated."""
         if tensor.is_meta or (self.device is not None and tensor.device != self.device):
             return
         for owner, nbytes in _memory_of(tensor):
-            if id(owner) not in self._storages and nbytes and isinstance(owner, torch.UntypedStorage) \
-                    and owner.resizable():
+            if (
+                id(owner) not in self._storages
+                and nbytes
+                and isinstance(owner, torch.UntypedStorage)
+                and owner.resizable()
+            ):
                 self._track(owner, nbytes)
 
     def _count_written(self, written: list, inputs: set[int]) -> None:
@@ -497,7 +600,9 @@ class MemoryMeter:
                     if nbytes != sizes[id(owner)]:
                         self._resized(owner, sizes[id(owner)], nbytes, inside=True)
                 elif nbytes and id(owner) not in self._storages and _address(owner) not in inputs:
-                    self._track(owner, nbytes)   # (set_ gives a tensor another's storage: an input's)
+                    self._track(
+                        owner, nbytes
+                    )  # (set_ gives a tensor another's storage: an input's)
 
     def _resized(self, owner: Any, old_nbytes: int, new_nbytes: int, inside: bool) -> None:
         """A block of memory was reallocated from ``old_nbytes`` to ``new_nbytes``: for a moment
@@ -544,30 +649,42 @@ def _normalised(device: torch.device | str | int | None) -> torch.device | None:
     """
     if device is None:
         return None
-    accepts = "a torch.device, a string such as 'cpu', 'cuda' or 'cuda:0', or None (count every device)"
+    accepts = (
+        "a torch.device, a string such as 'cpu', 'cuda' or 'cuda:0', or None (count every device)"
+    )
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
         raise TypeError(f"device must be {accepts}, {got(device)}.")
     try:
         device = torch.device(device)
     except RuntimeError as error:
         reason = str(error).splitlines()[0]
-        raise ValueError(f"device={device!r} is not a device torch knows ({reason}); "
-                         f"device must be {accepts}.") from None
+        raise ValueError(
+            f"device={device!r} is not a device torch knows ({reason}); device must be {accepts}."
+        ) from None
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count == 0:
-            raise ValueError(f"device={str(device)!r}, but CUDA is not available on this machine "
-                             "(torch.cuda.is_available() is False); measure on 'cpu', or pass device=None.")
+            raise ValueError(
+                f"device={str(device)!r}, but CUDA is not available on this machine "
+                "(torch.cuda.is_available() is False); measure on 'cpu', or pass device=None."
+            )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         elif device.index >= count:
-            raise ValueError(f"device={str(device)!r}, but this machine has {count} CUDA device"
-                             f"{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1}).")
+            raise ValueError(
+                f"device={str(device)!r}, but this machine has {count} CUDA device"
+                f"{'s' if count > 1 else ''} (cuda:0 to cuda:{count - 1})."
+            )
     return device
 
 
-def measure(fn: Callable[[], Any], *, device: torch.device | str | None = None, backend: str = "auto",
-            timeline: bool = True) -> MemoryReport:
+def measure(
+    fn: Callable[[], Any],
+    *,
+    device: torch.device | str | None = None,
+    backend: str = "auto",
+    timeline: bool = True,
+) -> MemoryReport:
     """Run ``fn()`` under a :class:`MemoryMeter` and return its report; ``fn``'s result is dropped.
 
     >>> import torch
@@ -575,9 +692,15 @@ def measure(fn: Callable[[], Any], *, device: torch.device | str | None = None, 
     >>> measure(lambda: x.exp().sum()).peak_bytes     # 4000 bytes for exp, 4 for the sum
     4004
     """
-    function(fn, "fn", takes=0, where="measure",
-             accepts="a function to call with no arguments, e.g. measure(lambda: model.training_step(batch)) "
-                     "(the function, not its result)")
+    function(
+        fn,
+        "fn",
+        takes=0,
+        where="measure",
+        accepts="a function to call with no arguments, e.g. "
+        "measure(lambda: model.training_step(batch)) "
+        "(the function, not its result)",
+    )
     with MemoryMeter(device, backend=backend, timeline=timeline) as meter:
         fn()
     return meter.report()

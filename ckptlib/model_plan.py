@@ -47,6 +47,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
 from ckptlib._arguments import integer
+from ckptlib.storage import storage_bytes, storage_ptr, storage_ptrs
 from ckptlib.apply import Selector, _outermost, _selected
 
 __all__ = ["plan_checkpointing", "ModelPlan", "ModuleCost"]
@@ -176,15 +177,14 @@ def _storages(value: Any) -> dict[int, int]:
     if hasattr(value, "to_tuple"):   # a transformers ModelOutput
         value = value.to_tuple()
     leaves = tree_flatten(value)[0]
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in leaves if isinstance(t, torch.Tensor)}
+    return storage_bytes(t for t in leaves if isinstance(t, torch.Tensor))
 
 
 def _measure_bytes(model: nn.Module, example_inputs: Any,
                    candidates: list[tuple[str, nn.Module]]) -> tuple:
     """Plain autograd's saved bytes; per candidate the bytes it made and saved (dropped), its inputs
     (kept), and those of its inputs plain autograd does not save."""
-    state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    state = storage_ptrs((*model.parameters(), *model.buffers()))
     saved: dict[int, int] = {}                       # every saved storage of the forward
     made: dict[str, dict[int, int]] = {path: {} for path, _ in candidates}
     inputs: dict[str, dict[int, int]] = {path: {} for path, _ in candidates}
@@ -192,12 +192,11 @@ def _measure_bytes(model: nn.Module, example_inputs: Any,
     active: list[str] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in state:
-            saved[pointer] = storage.nbytes()
+        pointer = storage_ptr(tensor)
+        if pointer is not None and pointer not in state:
+            saved[pointer] = nbytes = tensor.untyped_storage().nbytes()
             if active and pointer not in inputs[active[-1]]:
-                made[active[-1]][pointer] = storage.nbytes()
+                made[active[-1]][pointer] = nbytes
         return tensor
 
     def before(path: str):

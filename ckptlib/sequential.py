@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ckptlib._arguments import check_not_reentrant, flag, integer
 from ckptlib.core.checkpoint import checkpoint
+from ckptlib.storage import storage_bytes, storage_ptr, storage_ptrs
 from ckptlib.schedules import LayerCost, Plan, Segment, Step, uniform
 
 __all__ = ["checkpoint_sequential", "measure_layer_costs"]
@@ -191,17 +192,17 @@ def measure_layer_costs(modules: Modules, input: Any, *, repeat: int = 3,
     if not layers:
         raise ValueError("measure_layer_costs: modules is empty; pass the layers to measure.")
     kwargs = _checked_kwargs(layer_kwargs, "measure_layer_costs")
-    shared = {t.untyped_storage().data_ptr() for t in _tensors(kwargs)}
+    shared = storage_ptrs(_tensors(kwargs))
     costs = []
     x = _fresh_input(input)
     for layer in layers:
-        own = shared | {t.untyped_storage().data_ptr() for t in _state_tensors(layer)}
+        own = shared | storage_ptrs(_state_tensors(layer))
         saved: dict[int, int] = {}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in own:
-                saved[storage.data_ptr()] = storage.nbytes()
+            ptr = storage_ptr(tensor)
+            if ptr is not None and ptr not in own:
+                saved[ptr] = tensor.untyped_storage().nbytes()
             return tensor
 
         with torch.enable_grad():
@@ -240,9 +241,7 @@ def _fresh_input(value: Any) -> Any:
 
 
 def _storage_bytes(value: Any) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in _tensors(value)}
-    return sum(storages.values())
+    return sum(storage_bytes(_tensors(value)).values())
 
 
 def _synchronize(value: Any) -> None:

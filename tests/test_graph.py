@@ -1,5 +1,6 @@
 """ckptlib.graph: exact nodes, saved bytes, checkpoint marks, deterministic DOT, and rendering
 with and without a system `dot`."""
+
 from __future__ import annotations
 
 import base64
@@ -19,8 +20,19 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckptlib import checkpoint, palette, record_trace
 from ckptlib.graph import (
-    NO_RENDERER, STATUSES, TORCH_CHECKPOINT, AutogradGraph, NotebookDigraph, SideBySide, autograd_graph,
-    render_png, render_svg, to_dot, torchviz_dot, trace_modules, with_statuses,
+    NO_RENDERER,
+    STATUSES,
+    TORCH_CHECKPOINT,
+    AutogradGraph,
+    NotebookDigraph,
+    SideBySide,
+    autograd_graph,
+    render_png,
+    render_svg,
+    to_dot,
+    torchviz_dot,
+    trace_modules,
+    with_statuses,
 )
 
 
@@ -31,8 +43,11 @@ from ckptlib.graph import (
 
 def saved_by_op(graph: AutogradGraph) -> dict[tuple[str, str], tuple]:
     """(op, saved name) -> (shape, dtype, nbytes, status) for every saved tensor."""
-    return {(node.op, s.name): (s.shape, s.dtype, s.nbytes, s.status)
-            for node in graph.nodes for s in node.saved}
+    return {
+        (node.op, s.name): (s.shape, s.dtype, s.nbytes, s.status)
+        for node in graph.nodes
+        for s in node.saved
+    }
 
 
 def assert_svg(svg: str) -> ET.Element:
@@ -112,7 +127,8 @@ def test_saved_tensor_names_shapes_and_bytes():
     }
     mul = graph["n2"]
     assert {s.name: (s.tensor_name, s.of_leaf) for s in mul.saved} == {
-        "self": ("a", True), "other": ("b", True),
+        "self": ("a", True),
+        "other": ("b", True),
     }
     # mul saves the leaves themselves: no extra memory, so only sin's input counts.
     assert (mul.saved_bytes, graph["n1"].saved_bytes, graph.saved_bytes) == (0, 96, 96)
@@ -142,7 +158,10 @@ def test_views_of_one_storage_count_the_storage_once():
     q, k = (x @ w).chunk(2, dim=-1)
     graph = autograd_graph((q * k).sum(), params={"w": w})
     mul = next(n for n in graph.nodes if n.op == "MulBackward0")
-    assert [(s.name, s.nbytes, s.storage_nbytes) for s in mul.saved] == [("other", 48, 96), ("self", 48, 96)]
+    assert [(s.name, s.nbytes, s.storage_nbytes) for s in mul.saved] == [
+        ("other", 48, 96),
+        ("self", 48, 96),
+    ]
     assert mul.saved[0].storage == mul.saved[1].storage
     # q and k share the 4x6 matmul result (96 B); mm also keeps the input x (48 B).
     assert graph.saved_bytes == 96 + 48
@@ -184,8 +203,11 @@ def test_saved_lists_and_custom_functions():
     inside = autograd_graph(checkpoint(lambda t: Double.apply(t)[index], a))
     for key in [("IndexBackward0", "indices[0]"), ("DoubleBackward", "tensors[0]")]:
         assert saved_by_op(inside)[key][3] == "dropped"
-    assert all(n.region and n.region.startswith("test_saved_lists_and_custom_functions.<locals>.<lambda>@")
-               for n in inside.nodes if n.saved)
+    assert all(
+        n.region and n.region.startswith("test_saved_lists_and_custom_functions.<locals>.<lambda>@")
+        for n in inside.nodes
+        if n.saved
+    )
 
 
 def test_several_outputs_share_their_graph():
@@ -193,7 +215,12 @@ def test_several_outputs_share_their_graph():
     h = x.exp()
     graph = autograd_graph((h.sin(), h.cos()), params={"x": x})
     assert [n.op for n in graph.nodes] == [
-        None, None, "SinBackward0", "CosBackward0", "ExpBackward0", "AccumulateGrad",
+        None,
+        None,
+        "SinBackward0",
+        "CosBackward0",
+        "ExpBackward0",
+        "AccumulateGrad",
     ]
     assert ("n0", "out0") in graph.edges and ("n1", "out1") in graph.edges
     assert graph.saved_bytes == 8  # h, saved by exp, sin and cos
@@ -204,7 +231,12 @@ def test_a_tensor_modified_in_place_after_saving_is_flagged():
     h = a * 2
     y = h.sin()
     h.add_(1)
-    assert saved_by_op(autograd_graph(y))[("SinBackward0", "self")] == ((3,), torch.float32, 12, "modified")
+    assert saved_by_op(autograd_graph(y))[("SinBackward0", "self")] == (
+        (3,),
+        torch.float32,
+        12,
+        "modified",
+    )
 
 
 def test_freed_after_backward():
@@ -279,9 +311,11 @@ def test_ckptlib_checkpoint_dropped_then_recomputed_then_freed():
     assert marks[("SinBackward0", "self")] == ((4,), torch.float32, 16, "dropped")
     assert marks[("ExpBackward0", "result")] == ((4,), torch.float32, 16, "dropped")
     sin = next(n for n in before.nodes if n.op == "SinBackward0")
-    assert sin.region is not None and sin.region.startswith("test_ckptlib_checkpoint_dropped_then_recomputed"
-                                                             "_then_freed.<locals>.block@")
-    # sin's saved input is x, the checkpoint's own input: dropping it frees nothing; exp's result does
+    assert sin.region is not None and sin.region.startswith(
+        "test_ckptlib_checkpoint_dropped_then_recomputed_then_freed.<locals>.block@"
+    )
+    # sin's saved input is x, the checkpoint's own input: dropping it frees nothing; exp's result
+    # does
     assert (before.saved_bytes, before.dropped_bytes) == (0, 16)
     assert [s.frees_memory for s in sin.saved] == [False]
     assert not sin.recomputed
@@ -290,9 +324,12 @@ def test_ckptlib_checkpoint_dropped_then_recomputed_then_freed():
     after = autograd_graph(loss, params={"x": x})
     assert len(calls) == 2
     assert {k: v[3] for k, v in saved_by_op(after).items()} == {
-        ("SinBackward0", "self"): "recomputed", ("ExpBackward0", "result"): "recomputed",
+        ("SinBackward0", "self"): "recomputed",
+        ("ExpBackward0", "result"): "recomputed",
     }
-    assert all(node.recomputed for node in after.nodes if node.op in ("SinBackward0", "ExpBackward0"))
+    assert all(
+        node.recomputed for node in after.nodes if node.op in ("SinBackward0", "ExpBackward0")
+    )
     grad = x.grad.clone()
 
     loss.backward()
@@ -308,7 +345,10 @@ def test_checkpoint_region_is_a_dashed_cluster_in_dot():
     loss = checkpoint(layer, x * 2).sum()
     source = to_dot(autograd_graph(loss)).source
     assert "subgraph cluster_checkpoint0" in source
-    assert "label=\"checkpoint test_checkpoint_region_is_a_dashed_cluster_in_dot.<locals>.layer@" in source
+    assert (
+        'label="checkpoint test_checkpoint_region_is_a_dashed_cluster_in_dot.<locals>.layer@'
+        in source
+    )
     assert "dropped by checkpoint" in source  # in the legend
     loss.backward(retain_graph=True)
     assert f'fillcolor="{palette.RECOMPUTED}"' in to_dot(autograd_graph(loss)).source
@@ -326,7 +366,9 @@ def test_torch_utils_checkpoint_is_detected_without_recomputing():
     before = autograd_graph(loss)
     assert len(calls) == 1  # reading _saved_* would have rerun block
     assert saved_by_op(before)[("SinBackward0", "self")] == ((4, 2), torch.float32, 32, "dropped")
-    assert {n.region for n in before.nodes if n.op in ("SinBackward0", "ExpBackward0")} == {TORCH_CHECKPOINT}
+    assert {n.region for n in before.nodes if n.op in ("SinBackward0", "ExpBackward0")} == {
+        TORCH_CHECKPOINT
+    }
 
     loss.backward(retain_graph=True)
     after = autograd_graph(loss)
@@ -366,7 +408,7 @@ def test_collapse_by_module_keeps_a_12_block_transformer_readable():
     assert len(boxes) == 14  # embed, 12 blocks, head
     for i in range(12):
         assert sum(f"blocks.{i}: Block" in line for line in boxes) == 1
-    checkpointed = [line for line in boxes if "style=\"filled,dashed\"" in line]
+    checkpointed = [line for line in boxes if 'style="filled,dashed"' in line]
     assert len(checkpointed) == 6 and all("dropped" in line for line in checkpointed)
     assert len(dot.body) < 60
     assert_svg(render_svg(dot))
@@ -400,7 +442,8 @@ DETERMINISM_SCRIPT = textwrap.dedent("""
     with trace_modules(model) as modules:
         hidden = model[1](model[0](x))
         out = checkpoint(model[3], model[2](hidden)) * hidden.sum()
-    graph = autograd_graph(out.sum(), params={"x": x, **dict(model.named_parameters())}, modules=modules)
+    params = {"x": x, **dict(model.named_parameters())}
+    graph = autograd_graph(out.sum(), params=params, modules=modules)
     print(to_dot(graph).source)
     print(to_dot(graph, collapse="module").source)
     print(graph)
@@ -408,8 +451,15 @@ DETERMINISM_SCRIPT = textwrap.dedent("""
 
 
 def test_dot_source_is_identical_across_runs():
-    runs = [subprocess.Popen([sys.executable, "-c", DETERMINISM_SCRIPT], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DETERMINISM_SCRIPT],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [run.communicate(timeout=120) for run in runs]
     assert [run.returncode for run in runs] == [0, 0], outputs[0][1]
     first, second = (stdout for stdout, _ in outputs)
@@ -447,8 +497,10 @@ def test_webassembly_renders_a_label_starting_with_an_empty_line(no_system_dot, 
         assert "(3,)" in render_svg('digraph { node [fontname=monospace] b [label="%s"] }' % label)
 
 
-@pytest.mark.skipif(subprocess.run(["which", "dot"], capture_output=True).returncode != 0,
-                    reason="no system Graphviz `dot` on PATH")
+@pytest.mark.skipif(
+    subprocess.run(["which", "dot"], capture_output=True).returncode != 0,
+    reason="no system Graphviz `dot` on PATH",
+)
 def test_render_with_system_dot():
     svg = render_svg(small_graph())
     assert_svg(svg)
@@ -487,9 +539,15 @@ def test_torchviz_beside_ckptlib_without_system_dot(no_system_dot):
     assert isinstance(made, NotebookDigraph)
     assert "weight" in made.source and "lightblue" in made.source
     assert_svg(made._repr_mimebundle_()["image/svg+xml"])
-    page = SideBySide(made, autograd_graph(y, params=model), titles=["torchviz", "ckptlib"])._repr_html_()
-    # Pictures are <img> data URIs (they survive JupyterLab's cleaning of untrusted HTML; <svg> does not).
-    pictures = [base64.b64decode(data).decode() for data in re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', page)]
+    page = SideBySide(
+        made, autograd_graph(y, params=model), titles=["torchviz", "ckptlib"]
+    )._repr_html_()
+    # Pictures are <img> data URIs (they survive JupyterLab's cleaning of untrusted HTML; <svg>
+    # does not).
+    pictures = [
+        base64.b64decode(data).decode()
+        for data in re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', page)
+    ]
     assert len(pictures) == 2 and "<svg" not in page and ">ckptlib</div>" in page
     for svg in pictures:
         assert_svg(svg)
@@ -506,7 +564,9 @@ def boxes(dot) -> dict[str, tuple[str, str]]:
     """Saved-tensor boxes of a DOT drawing: id -> (label, attributes), legend and nodes left out."""
     found = {}
     for entry in dot.body:
-        match = re.match(r'\s*"(n\d+\.[^"]+)" \[label="((?:[^"\\]|\\.)*)"(.*)\]\s*$', entry, re.DOTALL)
+        match = re.match(
+            r'\s*"(n\d+\.[^"]+)" \[label="((?:[^"\\]|\\.)*)"(.*)\]\s*$', entry, re.DOTALL
+        )
         if match:
             found[match.group(1)] = (match.group(2), match.group(3))
     return found
@@ -514,7 +574,7 @@ def boxes(dot) -> dict[str, tuple[str, str]]:
 
 def label_bytes(label: str) -> int:
     size, unit = BYTES.search(label).groups()
-    return round(float(size) * {"B": 1, "KiB": 1024, "MiB": 1024 ** 2}[unit])
+    return round(float(size) * {"B": 1, "KiB": 1024, "MiB": 1024**2}[unit])
 
 
 def checkpointed_mlp(mode: str = "block", depth: int = 3) -> tuple[nn.Module, AutogradGraph]:
@@ -531,7 +591,11 @@ def test_a_saved_leaf_outside_the_graph_is_drawn_as_a_leaf_and_not_counted():
     b = torch.randn(2, requires_grad=True)
     graph = autograd_graph((torch.tanh(x @ w + b) ** 2).mean(), params={"w": w, "b": b, "x": x})
     mm = next(n for n in graph.nodes if n.op == "MmBackward0")
-    assert (mm.saved[0].tensor_name, mm.saved[0].of_leaf, mm.saved[0].leaf_kind) == ("x", True, "leaf")
+    assert (mm.saved[0].tensor_name, mm.saved[0].of_leaf, mm.saved[0].leaf_kind) == (
+        "x",
+        True,
+        "leaf",
+    )
     label, attributes = boxes(to_dot(graph))[f"{mm.id}.self"]
     assert label.splitlines() == ["x", "(4, 3) float32", "48 B", "leaf, not counted"]
     assert "fillcolor=aliceblue" in attributes and "dashed" in attributes
@@ -547,7 +611,9 @@ def test_box_bytes_add_up_to_the_caption(case):
         graph = autograd_graph(torch.tanh(x @ w).exp().sum(), params={"w": w, "x": x})
     elif case == "named views":
         linear = nn.Linear(3, 4)
-        graph = autograd_graph(linear(torch.randn(2, 3, requires_grad=True)).sin().sum(), params=linear)
+        graph = autograd_graph(
+            linear(torch.randn(2, 3, requires_grad=True)).sin().sum(), params=linear
+        )
     elif case == "recomputed":
         model, _ = checkpointed_mlp("block")
         loss = model.loss(model.example_batch(batch=4))
@@ -561,15 +627,22 @@ def test_box_bytes_add_up_to_the_caption(case):
         last = label.splitlines()[-1]
         if f'fillcolor="{palette.SAVED}"' in attributes:
             counted_kept += label_bytes(label)
-        elif re.search(rf'\bcolor="({palette.DROPPED}|{palette.RECOMPUTE})"', attributes):  # dropped or recomputed, counted
+        elif re.search(
+            rf'\bcolor="({palette.DROPPED}|{palette.RECOMPUTE})"', attributes
+        ):  # dropped or recomputed, counted
             assert last in ("dropped", "recomputed")
             counted_dropped += label_bytes(label)
         else:  # everything else says why its bytes are not in the caption
-            assert last.endswith("not counted") or last.endswith(", kept") or last in (
-                "frees nothing", "freed", "modified"), label
+            assert (
+                last.endswith("not counted")
+                or last.endswith(", kept")
+                or last in ("frees nothing", "freed", "modified")
+            ), label
     assert (counted_kept, counted_dropped) == (graph.saved_bytes, graph.dropped_bytes)
-    assert (f"saved by autograd: {graph.saved_bytes} B; dropped by checkpoints: {graph.dropped_bytes} B"
-            in dot.source.replace("1.0 KiB", "1024 B"))
+    assert (
+        f"saved by autograd: {graph.saved_bytes} B; dropped by checkpoints: {graph.dropped_bytes} B"
+        in dot.source.replace("1.0 KiB", "1024 B")
+    )
 
 
 def test_a_dropout_mask_made_inside_a_checkpoint_is_drawn_as_freeing_memory():
@@ -583,12 +656,15 @@ def test_a_dropout_mask_made_inside_a_checkpoint_is_drawn_as_freeing_memory():
     (mask,), (constant,) = dropout.saved, by_scale.saved
     assert (mask.shape, mask.status, mask.frees_memory) == ((4, 8), "dropped", True)
     assert (constant.shape, constant.status, constant.frees_memory) == ((8,), "dropped", False)
-    assert graph.dropped_bytes == 128   # the mask; sin's input is the region's own (leaf) input
+    assert graph.dropped_bytes == 128  # the mask; sin's input is the region's own (leaf) input
     drawn = boxes(to_dot(graph))
     mask_label, mask_style = drawn[f"{dropout.id}.{mask.name}"]
     assert mask_label.splitlines()[-1] == "dropped" and f'color="{palette.DROPPED}"' in mask_style
     constant_label, constant_style = drawn[f"{by_scale.id}.{constant.name}"]
-    assert constant_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey75" in constant_style
+    assert (
+        constant_label.splitlines()[-2:] == ["dropped", "frees nothing"]
+        and "color=grey75" in constant_style
+    )
 
 
 def test_a_view_of_a_larger_storage_says_what_the_caption_counts():
@@ -598,7 +674,8 @@ def test_a_view_of_a_larger_storage_says_what_the_caption_counts():
     graph = autograd_graph((q * k).sum(), params={"w": w, "x": x})
     labels = [label for label, _ in boxes(to_dot(graph)).values()]
     assert sorted(label.splitlines()[-1] for label in labels) == ["48 B of a 96 B storage"] * 2 + [
-        "leaf, not counted"]  # q and k, and the input x
+        "leaf, not counted"
+    ]  # q and k, and the input x
     assert graph.saved_bytes == 96
     assert "(of a 96 B storage)" in str(graph)
 
@@ -613,16 +690,25 @@ def test_a_dropped_input_looks_different_from_a_dropped_activation():
     drawn = boxes(to_dot(graph))
     sin_label, sin_style = drawn[f"{sin.id}.self"]
     exp_label, exp_style = drawn[f"{exp.id}.result"]
-    assert sin_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey75" in sin_style
+    assert (
+        sin_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey75" in sin_style
+    )
     assert exp_label.splitlines()[-1] == "dropped" and f'color="{palette.DROPPED}"' in exp_style
     assert "frees nothing" in LEGEND_TEXT(to_dot(graph))
     assert "(dropped by checkpoint" in str(graph) and ", frees nothing)" in str(graph)
 
     loss.backward(retain_graph=True)
     drawn = boxes(to_dot(autograd_graph(loss)))
-    # Recomputed: both light purple (the state), but only the activation has the purple "counted" border.
-    assert f'fillcolor="{palette.RECOMPUTED}"' in drawn[f"{sin.id}.self"][1] and "color=grey75" in drawn[f"{sin.id}.self"][1]
-    assert f'fillcolor="{palette.RECOMPUTED}"' in drawn[f"{exp.id}.result"][1] and f' color="{palette.RECOMPUTE}"' in drawn[f"{exp.id}.result"][1]
+    # Recomputed: both light purple (the state), but only the activation has the purple
+    # "counted" border.
+    assert (
+        f'fillcolor="{palette.RECOMPUTED}"' in drawn[f"{sin.id}.self"][1]
+        and "color=grey75" in drawn[f"{sin.id}.self"][1]
+    )
+    assert (
+        f'fillcolor="{palette.RECOMPUTED}"' in drawn[f"{exp.id}.result"][1]
+        and f' color="{palette.RECOMPUTE}"' in drawn[f"{exp.id}.result"][1]
+    )
 
 
 def LEGEND_TEXT(dot) -> str:
@@ -638,7 +724,11 @@ def test_parameters_inside_a_checkpoint_are_drawn_as_the_parameter(mode):
     assert set(named) == {"view of blocks.1.0.weight", "view of blocks.2.0.weight"}
     for saved in named.values():
         assert (saved.status, saved.of_leaf, saved.leaf_kind, saved.frees_memory) == (
-            "dropped", True, "parameter", False)
+            "dropped",
+            True,
+            "parameter",
+            False,
+        )
     assert "= view of blocks.1.0.weight (parameter, kept)" in str(graph)
     # Drawn as an edge to the weight's own node, never as a "dropped" box.
     dot = to_dot(graph)
@@ -668,8 +758,10 @@ def test_two_saved_tensors_that_fit_one_leaf_are_not_guessed():
     x = torch.randn(4, requires_grad=True)
     graph = autograd_graph(checkpoint(lambda t: t * w, x * 1).sum(), params={"w": w})
     mul = next(n for n in graph.nodes if n.saved and n.region is not None)
-    assert [(s.name, s.of_leaf, s.frees_memory) for s in mul.saved] == [("other", False, False),
-                                                                       ("self", False, False)]
+    assert [(s.name, s.of_leaf, s.frees_memory) for s in mul.saved] == [
+        ("other", False, False),
+        ("self", False, False),
+    ]
 
 
 def test_batch_norm_buffers_in_a_checkpoint_are_named_as_buffers():
@@ -683,8 +775,12 @@ def test_batch_norm_buffers_in_a_checkpoint_are_named_as_buffers():
         assert (saved[buffer].tensor_name, saved[buffer].leaf_kind) == (f"1.{buffer}", "buffer")
     assert (saved["weight"].tensor_name, saved["weight"].leaf_kind) == ("1.weight", "parameter")
     labels = {box: label for box, (label, _) in boxes(to_dot(graph)).items()}
-    assert labels[f"{bn.id}.running_mean"].splitlines() == ["1.running_mean", "(6,) float32", "24 B",
-                                                             "buffer, kept"]
+    assert labels[f"{bn.id}.running_mean"].splitlines() == [
+        "1.running_mean",
+        "(6,) float32",
+        "24 B",
+        "buffer, kept",
+    ]
 
 
 def test_text_view_sizes_the_op_column_to_the_longest_name():
@@ -695,7 +791,10 @@ def test_text_view_sizes_the_op_column_to_the_longest_name():
     assert len({line.index(" saves ") for line in lines}) == 1  # one column for every "saves"
     # Short graphs keep the 22-character column they always had.
     x = torch.randn(3, requires_grad=True)
-    assert str(autograd_graph(x.exp())).splitlines()[1] == "n0    ExpBackward0          saves result (3,) float32 12 B"
+    assert (
+        str(autograd_graph(x.exp())).splitlines()[1]
+        == "n0    ExpBackward0          saves result (3,) float32 12 B"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -706,8 +805,13 @@ def test_text_view_sizes_the_op_column_to_the_longest_name():
 def test_with_statuses_redraws_each_state_and_keeps_the_original():
     _, graph = checkpointed_mlp("block")
     relu = next(n for n in graph.nodes if n.op == "ReluBackward0" and n.region is not None)
-    expected_fill = {"kept": f'"{palette.SAVED}"', "dropped": "white", "recomputed": f'"{palette.RECOMPUTED}"',
-                     "freed": f'"{palette.RELEASED}"', "modified": "tomato"}
+    expected_fill = {
+        "kept": f'"{palette.SAVED}"',
+        "dropped": "white",
+        "recomputed": f'"{palette.RECOMPUTED}"',
+        "freed": f'"{palette.RELEASED}"',
+        "modified": "tomato",
+    }
     for status in STATUSES:
         moment = with_statuses(graph, {(relu.id, "result"): status})
         assert moment[relu.id].saved[0].status == status
@@ -727,7 +831,7 @@ def test_a_box_two_nodes_share_shows_the_most_alive_state():
     assert f'fillcolor="{palette.SAVED}"' in attributes  # exp still holds the memory
     assert 'n0 -> "n0.self" [label=self arrowhead=none color=grey60' in to_dot(freed_once).source
     both = with_statuses(graph, {("n0", "self"): "freed", ("n1", "result"): "freed"})
-    assert "style=\"filled,dotted\"" in boxes(to_dot(both))["n0.self"][1]
+    assert 'style="filled,dotted"' in boxes(to_dot(both))["n0.self"][1]
     assert both.saved_bytes == 0 and freed_once.saved_bytes == 12
 
 
@@ -763,8 +867,10 @@ def saved_pixels(png: bytes) -> int:
     from PIL import Image
 
     r, g, b = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int).transpose(2, 0, 1)
-    red, green, blue = (int(palette.SAVED[k:k + 2], 16) for k in (1, 3, 5))
-    return int(((abs(r - red) < 12) & (abs(g - green) < 12) & (abs(b - blue) < 12)).sum())  # a saved box's fill
+    red, green, blue = (int(palette.SAVED[k : k + 2], 16) for k in (1, 3, 5))
+    return int(
+        ((abs(r - red) < 12) & (abs(g - green) < 12) & (abs(b - blue) < 12)).sum()
+    )  # a saved box's fill
 
 
 @pytest.mark.parametrize("system_dot", [True, False])
@@ -779,7 +885,10 @@ def test_render_png_is_the_picture_with_and_without_system_dot(system_dot, monke
     png = render_png(graph)
     width, height = png_size(png)
     assert abs(width - width_pt * 96 / 72) <= 3  # the SVG's size, at 96 dpi
-    assert saved_pixels(render_png(to_dot(autograd_graph(torch.randn(3, requires_grad=True).exp())))) > 100
+    assert (
+        saved_pixels(render_png(to_dot(autograd_graph(torch.randn(3, requires_grad=True).exp()))))
+        > 100
+    )
     assert png_size(render_png(graph, dpi=192))[0] == pytest.approx(2 * width, abs=4)
 
 
@@ -788,13 +897,22 @@ def test_graph_outputs_show_as_pictures_and_text_without_svg():
 
     formatter = DisplayFormatter()
     graph = small_graph()
-    for value in (graph, to_dot(graph), torchviz_dot(graph_tensor := torch.randn(2, requires_grad=True).exp())):
+    for value in (
+        graph,
+        to_dot(graph),
+        torchviz_dot(graph_tensor := torch.randn(2, requires_grad=True).exp()),
+    ):
         data, metadata = formatter.format(value)
         assert {"image/svg+xml", "image/png", "text/plain"} <= set(data), type(value)
         width, height = png_size(data["image/png"])
-        assert metadata["image/png"] == {"width": width // 2, "height": height // 2}  # sharp, natural size
+        assert metadata["image/png"] == {
+            "width": width // 2,
+            "height": height // 2,
+        }  # sharp, natural size
         assert " at 0x" not in data["text/plain"]
-    assert formatter.format(to_dot(graph))[0]["text/plain"].startswith("NotebookDigraph(4 autograd nodes; saved by autograd: 8 B")
+    assert formatter.format(to_dot(graph))[0]["text/plain"].startswith(
+        "NotebookDigraph(4 autograd nodes; saved by autograd: 8 B"
+    )
     assert repr(torchviz_dot(graph_tensor)) == "NotebookDigraph(torchviz make_dot, 4 boxes)"
     side = SideBySide(graph, to_dot(graph), titles=["a"])
     assert repr(side) == "SideBySide('a', graph #1)"
@@ -804,11 +922,13 @@ def test_side_by_side_keeps_one_scale_and_fits():
     wide = checkpointed_mlp("block", depth=4)[1]
     narrow = "digraph { a -> b }"
     page = SideBySide(narrow, wide, titles=["narrow", "wide"])._repr_html_()
-    cells = re.findall(r'width: ([\d.]+)%;.*?max-width: ([\d.]+)px', page)
+    cells = re.findall(r"width: ([\d.]+)%;.*?max-width: ([\d.]+)px", page)
     (share_a, natural_a), (share_b, natural_b) = [(float(s), float(n)) for s, n in cells]
     assert share_a / share_b == pytest.approx(natural_a / natural_b, rel=1e-2)  # one scale
     assert share_a + share_b + 2.0 <= 100  # both fit in the row with the gap
-    assert page.index(">narrow</div>") < page.index("<img") < page.index(">wide</div>")  # titles above
+    assert (
+        page.index(">narrow</div>") < page.index("<img") < page.index(">wide</div>")
+    )  # titles above
 
 
 def test_without_matplotlib_or_system_dot_the_png_is_left_out(no_system_dot, monkeypatch):
@@ -852,7 +972,9 @@ def test_collapsed_module_boxes_add_up_to_the_caption(checkpoint_every):
         if "shape=box3d" in entry:  # a module: "saved X" and perhaps "dropped Y"
             for kind, size in re.findall(r"^(saved|dropped) (.+)$", text, re.MULTILINE):
                 amount = label_bytes(size)
-                saved, dropped = (saved + amount, dropped) if kind == "saved" else (saved, dropped + amount)
+                saved, dropped = (
+                    (saved + amount, dropped) if kind == "saved" else (saved, dropped + amount)
+                )
         elif f'fillcolor="{palette.SAVED}"' in entry:
             saved += label_bytes(text.splitlines()[-1])
     assert saved == pytest.approx(graph.saved_bytes, abs=52 * rounded)

@@ -40,6 +40,7 @@ A training step (``F.mse_loss(model(x), target).backward()``):
   gradients: ``(j+k+2)*a + 4 + (D-j*k)*g``; with ``a >= k*g`` the last segment
   (j = D/k) is the peak: ``(D/k + k + 2)*a + 4``. k = sqrt(D) minimises it.
 """
+
 from __future__ import annotations
 
 import gc
@@ -61,7 +62,7 @@ def sizes(depth: int, width: int, batch: int) -> tuple[int, int]:
 
 def segmented(model: MLPChain, x: torch.Tensor, k: int, checkpoint_fn=checkpoint) -> torch.Tensor:
     for start in range(0, model.depth, k):
-        x = checkpoint_fn(model.blocks[start:start + k], x)
+        x = checkpoint_fn(model.blocks[start : start + k], x)
     return x
 
 
@@ -131,7 +132,9 @@ def _segmented_step_peak(checkpoint_fn, depth, width, batch, k) -> int:
 SEGMENTED_CASES = [(6, 8, 64, 2), (6, 8, 64, 3), (8, 4, 64, 2), (12, 4, 128, 3), (12, 4, 128, 4)]
 
 
-@pytest.mark.parametrize("checkpoint_fn", [checkpoint, torch_non_reentrant], ids=["ckptlib", "torch"])
+@pytest.mark.parametrize(
+    "checkpoint_fn", [checkpoint, torch_non_reentrant], ids=["ckptlib", "torch"]
+)
 @pytest.mark.parametrize("depth, width, batch, k", SEGMENTED_CASES)
 def test_segmented_training_step_peak(checkpoint_fn, depth, width, batch, k):
     a, g = sizes(depth, width, batch)
@@ -149,8 +152,11 @@ def test_checkpointing_a_whole_chain_recomputes_it_all():
 
 def test_sqrt_segments_minimise_the_step_peak():
     depth, width, batch = 12, 4, 128
-    peaks = {k: _segmented_step_peak(torch_non_reentrant, depth, width, batch, k) for k in (2, 3, 4, 6, 12)}
-    assert min(peaks, key=peaks.get) in (3, 4)          # sqrt(12) = 3.46
+    peaks = {
+        k: _segmented_step_peak(torch_non_reentrant, depth, width, batch, k)
+        for k in (2, 3, 4, 6, 12)
+    }
+    assert min(peaks, key=peaks.get) in (3, 4)  # sqrt(12) = 3.46
     assert peaks[3] < peaks[2] < peaks[12] and peaks[4] < peaks[6] < peaks[12]
 
 
@@ -164,7 +170,7 @@ def test_views_and_inplace_results_allocate_nothing():
     with MemoryMeter() as meter:
         x.t().reshape(32, 64)[3:5].unsqueeze(0).expand(4, 2, 64)
         x.view(-1).narrow(0, 0, 10).mul_(2.0)
-        torch.ops.aten._unsafe_view(x, [2048])   # aliases x though its schema does not say so
+        torch.ops.aten._unsafe_view(x, [2048])  # aliases x though its schema does not say so
         x.detach()
     assert meter.peak_bytes == 0
     assert {entry.live_bytes for entry in meter.timeline} == {0}
@@ -173,8 +179,8 @@ def test_views_and_inplace_results_allocate_nothing():
 def test_a_copy_allocates_its_storage_once():
     x = torch.randn(64, 32)
     with MemoryMeter() as meter:
-        y = x.t().contiguous()                  # one 8 KiB copy
-        z = y.view(-1)                          # same storage: not counted again
+        y = x.t().contiguous()  # one 8 KiB copy
+        z = y.view(-1)  # same storage: not counted again
     assert meter.peak_bytes == meter.live_bytes == 64 * 32 * 4
     del y, z
 
@@ -183,7 +189,7 @@ def test_outputs_of_multi_output_ops_are_all_counted():
     x = torch.randn(10, 3)
     with MemoryMeter() as meter:
         values, indices = torch.max(x, dim=0)
-    assert meter.live_bytes == 3 * 4 + 3 * 8    # float32 values, int64 indices
+    assert meter.live_bytes == 3 * 4 + 3 * 8  # float32 values, int64 indices
     del values, indices
 
 
@@ -199,7 +205,7 @@ def test_storage_bytes_not_element_bytes_are_counted():
 def test_tensors_made_before_the_block_are_invisible():
     x = torch.randn(1000)
     with MemoryMeter() as meter:
-        del x                                   # frees memory the meter never counted
+        del x  # frees memory the meter never counted
         gc.collect()
     assert meter.baseline_bytes == 0 and meter.peak_bytes == 0 and meter.live_bytes == 0
 
@@ -302,10 +308,10 @@ def test_baseline_of_a_reentered_meter_is_what_it_still_sees():
     first = meter.report()
     assert first.baseline_bytes == 0 and first.retained_bytes == 3 * g
     with meter:
-        model.training_step(batch)                # zero_grad frees the old gradients
+        model.training_step(batch)  # zero_grad frees the old gradients
     second = meter.report()
-    assert second.baseline_bytes == 3 * g          # the first step's gradients, still alive
-    assert second.retained_bytes == 0              # new gradients replaced them, byte for byte
+    assert second.baseline_bytes == 3 * g  # the first step's gradients, still alive
+    assert second.retained_bytes == 0  # new gradients replaced them, byte for byte
     assert second.peak_bytes == first.peak_bytes - 3 * g
 
 
@@ -345,8 +351,10 @@ def test_bad_backends_are_refused_with_the_fix():
 
 def test_report_str_and_format_bytes():
     report = measure(lambda: torch.ones(256).sum())
-    assert str(report) == ("peak 1.00 KiB above a baseline of 0 B; 0 B still live at the end "
-                           "(tensors meter on all devices; ops: 2 forward)")
+    assert str(report) == (
+        "peak 1.00 KiB above a baseline of 0 B; 0 B still live at the end "
+        "(tensors meter on all devices; ops: 2 forward)"
+    )
     assert format_bytes(1536) == "1.50 KiB" and format_bytes(-2048) == "-2.00 KiB"
 
 
@@ -379,12 +387,12 @@ def test_ops_in_a_thread_without_the_meter_are_not_seen():
     # thread frees is still subtracted, so the live count stays right.
     x = torch.randn(64, requires_grad=True)
     with MemoryMeter() as meter:
-        y = x.exp()                              # saves its result: 256 bytes
+        y = x.exp()  # saves its result: 256 bytes
         ops_before = len(meter.timeline)
-        worker = threading.Thread(target=lambda: y.sum().backward())
+        worker = threading.Thread(target=lambda: y.sum().backward())  # noqa: F821 (y is deleted after)
         worker.start()
         worker.join()
-        del y                                    # the graph was freed by that backward
+        del y  # the graph was freed by that backward
     assert len(meter.timeline) == ops_before
     assert meter.live_bytes == 0
     assert x.grad is not None

@@ -25,21 +25,48 @@ How it is *drawn*:
   system Graphviz;
 - :mod:`~ckptlib.graph.notebook`: :func:`torchviz_dot` and :class:`SideBySide`.
 
-The drawing modules import the data modules, never the other way; where data
-shows itself (``print(graph)``, a graph as a notebook's cell value) its method
-imports the drawing module when called.
+The layers import downwards only: data (``nodes``, ``modules``) <- build (``walk``) <- draw
+(``text``, ``dot``) <- display (``render``, ``raster``, ``notebook``). Where data shows itself
+(``print(graph)``, a graph or a DOT drawing as a notebook's cell value) it calls the functions
+this package hands to :data:`~ckptlib.graph.nodes.VIEWS` below.
 """
+
 from __future__ import annotations
 
 from ckptlib.graph.dot import LEGEND, STYLES, NotebookDigraph, to_dot
 from ckptlib.graph.modules import ModuleTrace, trace_modules
-from ckptlib.graph.nodes import STATUSES, AutogradGraph, GraphNode, SavedTensor, with_statuses
+from ckptlib.graph.nodes import (
+    STATUSES,
+    VIEWS,
+    AutogradGraph,
+    GraphNode,
+    SavedTensor,
+    with_statuses,
+)
 from ckptlib.graph.notebook import SideBySide, torchviz_dot
-from ckptlib.graph.render import NO_RENDERER, render_png, render_svg
+from ckptlib.graph.render import NO_RENDERER, png_for_display, render_png, render_svg
+from ckptlib.graph.text import graph_text
 from ckptlib.graph.walk import TORCH_CHECKPOINT, autograd_graph
 
+VIEWS.text, VIEWS.svg, VIEWS.png = graph_text, render_svg, png_for_display
+
 __all__ = [
-    "autograd_graph", "to_dot", "render_svg", "render_png", "trace_modules", "torchviz_dot", "SideBySide",
-    "AutogradGraph", "GraphNode", "SavedTensor", "ModuleTrace", "NotebookDigraph", "with_statuses",
+    "autograd_graph",
+    "to_dot",
+    "render_svg",
+    "render_png",
+    "trace_modules",
+    "torchviz_dot",
+    "SideBySide",
+    "AutogradGraph",
+    "GraphNode",
+    "SavedTensor",
+    "ModuleTrace",
+    "NotebookDigraph",
+    "with_statuses",
     "STATUSES",
+    "TORCH_CHECKPOINT",
+    "NO_RENDERER",
+    "STYLES",
+    "LEGEND",
 ]

@@ -13,8 +13,8 @@ bold border (torchviz's green would read as "saved").
 What is counted is what is drawn. The caption gives the totals of
 :class:`AutogradGraph` (``saved_bytes``, ``dropped_bytes``), and every box with
 bytes on it says whether they are in them: green boxes and those with a dashed
-grey or purple border are counted (a view of a larger storage says so, as the storage counts once); a
-saved leaf is the leaf's own memory, drawn as an edge to the leaf's node, or as a
+grey or purple border are counted (a view of a larger storage says so, as the storage counts
+once); a saved leaf is the leaf's own memory, drawn as an edge to the leaf's node, or as a
 pale box "leaf, not counted" when the leaf is not in the graph (an input that
 needs no grad, a buffer); a dropped tensor whose dropping freed nothing (the
 checkpoint's own input) has a pale dashed border and says "frees nothing": the
@@ -28,6 +28,7 @@ is there while anyone holds it. A collapsed module's box counts the memory
 its nodes save once in the whole picture: a tensor that one module outputs and
 the next takes in is counted in one of them, so the boxes add up to the caption.
 """
+
 from __future__ import annotations
 
 import graphviz
@@ -36,9 +37,14 @@ import torch
 from ckptlib import palette
 from ckptlib._arguments import flag, integer
 from ckptlib.graph.nodes import (
-    AutogradGraph, GraphNode, SavedTensor, bytes_text, dtype_text, shape_text,
+    VIEWS,
+    AutogradGraph,
+    GraphNode,
+    SavedTensor,
+    bytes_text,
+    dtype_text,
+    shape_text,
 )
-from ckptlib.graph.render import png_for_display, render_svg
 from ckptlib.graph.walk import build_graph
 
 __all__ = ["to_dot", "NotebookDigraph", "STYLES", "LEGEND"]
@@ -52,17 +58,38 @@ STYLES: dict[str, dict[str, str]] = {
     "kept": {"fillcolor": palette.SAVED},
     "saved leaf": {"fillcolor": "aliceblue", "color": "grey50", "style": "filled,dashed"},
     "dropped": {"fillcolor": "white", "color": palette.DROPPED, "style": "filled,dashed"},
-    "frees nothing": {"fillcolor": "white", "color": UNCOUNTED_BORDER, "style": "filled,dashed", "fontcolor": "grey35"},
-    "recomputed": {"fillcolor": palette.RECOMPUTED, "color": palette.RECOMPUTE, "style": "filled,dashed"},
-    "recomputed, frees nothing": {"fillcolor": palette.RECOMPUTED, "color": UNCOUNTED_BORDER, "style": "filled,dashed",
-                                  "fontcolor": "grey35"},
+    "frees nothing": {
+        "fillcolor": "white",
+        "color": UNCOUNTED_BORDER,
+        "style": "filled,dashed",
+        "fontcolor": "grey35",
+    },
+    "recomputed": {
+        "fillcolor": palette.RECOMPUTED,
+        "color": palette.RECOMPUTE,
+        "style": "filled,dashed",
+    },
+    "recomputed, frees nothing": {
+        "fillcolor": palette.RECOMPUTED,
+        "color": UNCOUNTED_BORDER,
+        "style": "filled,dashed",
+        "fontcolor": "grey35",
+    },
     "freed": {"fillcolor": palette.RELEASED, "color": "grey50", "style": "filled,dotted"},
     "modified": {"fillcolor": "tomato"},
     "module": {"fillcolor": "lightgrey", "shape": "box3d"},
-    "module dropped": {"fillcolor": "white", "color": palette.DROPPED, "style": "filled,dashed",
-                       "shape": "box3d"},
-    "module recomputed": {"fillcolor": palette.RECOMPUTED, "color": palette.RECOMPUTE, "style": "filled,dashed",
-                          "shape": "box3d"},
+    "module dropped": {
+        "fillcolor": "white",
+        "color": palette.DROPPED,
+        "style": "filled,dashed",
+        "shape": "box3d",
+    },
+    "module recomputed": {
+        "fillcolor": palette.RECOMPUTED,
+        "color": palette.RECOMPUTE,
+        "style": "filled,dashed",
+        "shape": "box3d",
+    },
 }
 LEGEND = {
     "leaf": "leaf (gets .grad)",
@@ -84,8 +111,15 @@ LEGEND = {
 # knows Courier's (every glyph 0.6 em) but measures "monospace" as a narrower proportional font,
 # so browsers' monospace text would overflow its boxes.
 FONT = "Courier"
-_NODE_ATTR = {"style": "filled", "shape": "box", "align": "left", "fontsize": "10", "ranksep": "0.1",
-              "height": "0.2", "fontname": FONT}
+_NODE_ATTR = {
+    "style": "filled",
+    "shape": "box",
+    "align": "left",
+    "fontsize": "10",
+    "ranksep": "0.1",
+    "height": "0.2",
+    "fontname": FONT,
+}
 # A box shared by saved tensors in different states shows the first of these that one of them is in.
 _MOST_ALIVE_FIRST = ("modified", "kept", "recomputed", "dropped", "freed")
 
@@ -107,15 +141,21 @@ class NotebookDigraph(graphviz.Digraph):
         summary = self.summary or f"{sum('->' in line for line in self.body)} edges"
         return f"NotebookDigraph({summary})"
 
+    # Pictures are the display layer's (ckptlib.graph.render), handed over in nodes.VIEWS.
     def _repr_image_svg_xml(self) -> str:
-        return render_svg(self)
+        return VIEWS.svg(self)
 
     def _repr_png_(self) -> tuple[bytes, dict[str, int]] | None:
-        return png_for_display(self)
+        return VIEWS.png(self)
 
 
-def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, depth: int = 2,
-           legend: bool = True) -> NotebookDigraph:
+def to_dot(
+    graph: AutogradGraph | torch.Tensor,
+    collapse: str | None = None,
+    *,
+    depth: int = 2,
+    legend: bool = True,
+) -> NotebookDigraph:
     """Draw ``graph`` (or the graph behind a tensor) as DOT: ops grey, leaves blue, outputs white
     with a bold border, saved tensors green (:mod:`ckptlib.palette`).
 
@@ -124,7 +164,8 @@ def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, 
     when no node stands for it). Tensors a checkpoint dropped are dashed white
     boxes (light purple once recomputed) inside a dashed purple box for their checkpoint
     region; a pale border marks those whose dropping frees nothing. The caption's totals
-    add exactly the boxes that say they are counted. ``collapse="module"`` draws each submodule, cut at
+    add exactly the boxes that say they are counted. ``collapse="module"`` draws each submodule,
+    cut at
     ``depth`` path components (``blocks.3.attn`` -> ``blocks.3``), as one box
     with its op count and bytes; this needs a graph built with ``modules=``.
 
@@ -153,18 +194,26 @@ def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, 
     if isinstance(graph, torch.Tensor):
         graph = build_graph(graph, None, None, caller="to_dot")
     elif not isinstance(graph, AutogradGraph):
-        raise TypeError(f"to_dot: graph must be an AutogradGraph (from autograd_graph) or a tensor that "
-                        f"requires grad, got {type(graph).__name__}.")
+        raise TypeError(
+            f"to_dot: graph must be an AutogradGraph (from autograd_graph) or a tensor that "
+            f"requires grad, got {type(graph).__name__}."
+        )
     if collapse is not None and not isinstance(collapse, str):
-        raise TypeError(f"to_dot: collapse must be None (every node) or 'module' (one box per submodule), "
-                        f"got {type(collapse).__name__}.")
+        raise TypeError(
+            f"to_dot: collapse must be None (every node) or 'module' (one box per submodule), "
+            f"got {type(collapse).__name__}."
+        )
     if collapse not in (None, "module"):
-        raise ValueError(f"to_dot: collapse={collapse!r} is not known; use None (every node) or "
-                         "'module' (one box per submodule).")
+        raise ValueError(
+            f"to_dot: collapse={collapse!r} is not known; use None (every node) or "
+            "'module' (one box per submodule)."
+        )
     integer(depth, "depth (module path components kept)", where="to_dot")
     if depth < 1:
-        raise ValueError(f"to_dot: depth={depth} keeps no part of a module path; use depth >= 1 "
-                         "(1: 'blocks', 2: 'blocks.3', ...).")
+        raise ValueError(
+            f"to_dot: depth={depth} keeps no part of a module path; use depth >= 1 "
+            "(1: 'blocks', 2: 'blocks.3', ...)."
+        )
     flag(legend, "legend", where="to_dot")
     dot = NotebookDigraph(node_attr=_NODE_ATTR)
     dot.saved_boxes, dot.module_boxes = {}, {}
@@ -172,21 +221,28 @@ def to_dot(graph: AutogradGraph | torch.Tensor, collapse: str | None = None, *, 
         used = _draw_nodes(dot, graph, graph.nodes)
     else:
         used = _draw_modules(dot, graph, depth)
-    caption = (f"saved by autograd: {bytes_text(graph.saved_bytes)}; dropped by checkpoints: "
-               f"{bytes_text(graph.dropped_bytes)}")
+    caption = (
+        f"saved by autograd: {bytes_text(graph.saved_bytes)}; dropped by checkpoints: "
+        f"{bytes_text(graph.dropped_bytes)}"
+    )
     if legend:
         _draw_legend(dot, used, caption)
     dot.summary = f"{len(graph.ops)} autograd nodes; {caption}"
     return dot
 
 
-_SavedEdge = tuple[str, str, SavedTensor, bool]  # node id, saved-tensor box or leaf id, the tensor, to a leaf
+_SavedEdge = tuple[
+    str, str, SavedTensor, bool
+]  # node id, saved-tensor box or leaf id, the tensor, to a leaf
 
 
 def _draw_nodes(dot: graphviz.Digraph, graph: AutogradGraph, nodes: list[GraphNode]) -> list[str]:
     """``nodes`` with their saved tensors, checkpoint regions as dashed clusters, then the edges
-    (last: an edge written inside a cluster would pull its far end into it). Returns the styles used."""
-    leaf_of_storage = {node.storage: node.id for node in nodes if node.kind == "leaf"}
+    (last: an edge written inside a cluster would pull its far end into it). Returns the styles
+    used."""
+    leaf_of_storage = {
+        node.storage: node.id for node in nodes if node.kind == "leaf" and node.storage is not None
+    }
     boxes = _Boxes(nodes, leaf_of_storage)
     regions: dict[str, list[GraphNode]] = {}
     for node in nodes:
@@ -198,8 +254,13 @@ def _draw_nodes(dot: graphviz.Digraph, graph: AutogradGraph, nodes: list[GraphNo
         elif node is regions[node.region][0]:  # draw the whole region where it is first met
             number = list(regions).index(node.region)
             with dot.subgraph(name=f"cluster_checkpoint{number}") as cluster:
-                cluster.attr(label=f"checkpoint {node.region}", style="dashed", color=palette.RECOMPUTE,
-                             fontname=FONT, fontsize="10")
+                cluster.attr(
+                    label=f"checkpoint {node.region}",
+                    style="dashed",
+                    color=palette.RECOMPUTE,
+                    fontname=FONT,
+                    fontsize="10",
+                )
                 for member in regions[node.region]:
                     boxes.draw(cluster, member)
     for src, dst, saved, to_leaf in boxes.edges:
@@ -209,7 +270,9 @@ def _draw_nodes(dot: graphviz.Digraph, graph: AutogradGraph, nodes: list[GraphNo
         extra = {"constraint": "false"} if to_leaf else {}
         if saved.status == "freed":
             extra["color"] = "grey60"
-        dot.edge(src, dst, label=saved.name, arrowhead="none", style="dashed", fontsize="8", **extra)
+        dot.edge(
+            src, dst, label=saved.name, arrowhead="none", style="dashed", fontsize="8", **extra
+        )
     wanted = {node.id for node in nodes}
     for src, dst in graph.edges:
         if src in wanted and dst in wanted:
@@ -230,15 +293,18 @@ class _Boxes:
             for saved in node.saved:
                 sharers.setdefault(self.key(node, saved), []).append(saved)
         # The tensor each box is drawn from: the first sharer in the most alive state.
-        self.face = {key: min(group, key=lambda s: _MOST_ALIVE_FIRST.index(s.status))
-                     for key, group in sharers.items()}
+        self.face = {
+            key: min(group, key=lambda s: _MOST_ALIVE_FIRST.index(s.status))
+            for key, group in sharers.items()
+        }
 
     @staticmethod
     def key(node: GraphNode, saved: SavedTensor) -> tuple:
         return saved.view if saved.view is not None else (node.id, saved.name)
 
     def draw(self, place: graphviz.Digraph, node: GraphNode) -> None:
-        """The node and its saved-tensor boxes into ``place``; the dashed edges to them into ``edges``."""
+        """The node and its saved-tensor boxes into ``place``; the dashed edges to them into
+        ``edges``."""
         if node.kind == "op":
             label = node.op if node.module is None else f"{node.op}\n{node.module or '(top level)'}"
         else:
@@ -307,7 +373,11 @@ def _draw_modules(dot: graphviz.Digraph, graph: AutogradGraph, depth: int) -> li
             loose.append(node)
         else:
             groups.setdefault(".".join(node.module.split(".")[:depth]), []).append(node)
-    box_of = {member.id: f"m{number}" for number, members in enumerate(groups.values()) for member in members}
+    box_of = {
+        member.id: f"m{number}"
+        for number, members in enumerate(groups.values())
+        for member in members
+    }
     if isinstance(dot, NotebookDigraph):
         dot.module_boxes.update(box_of)
     used = _draw_nodes(dot, graph, loose)
@@ -332,7 +402,9 @@ def _charged_bytes(loose: list[GraphNode], groups: dict[str, list[GraphNode]]) -
     """Saved bytes per module box, each memory counted once in the picture: the boxes of nodes
     outside every module show their own bytes, so their memory is theirs; memory several modules
     save is counted in the first met from the outputs (the last to use it in forward)."""
-    charged = {_memory(node, s) for node in loose for s in node.saved if s.status == "kept" and s.counted}
+    charged = {
+        _memory(node, s) for node in loose for s in node.saved if s.status == "kept" and s.counted
+    }
     saved_bytes = {}
     for path, members in groups.items():
         total = 0
@@ -358,13 +430,17 @@ def _module_style(members: list[GraphNode]) -> str:
     return "module"
 
 
-def _module_label(path: str, members: list[GraphNode], module_types: dict[str, str], saved_bytes: int) -> str:
+def _module_label(
+    path: str, members: list[GraphNode], module_types: dict[str, str], saved_bytes: int
+) -> str:
     ops = [node for node in members if node.kind == "op"]
     leaves = [node for node in members if node.kind == "leaf"]
     parameter_bytes = sum(torch.Size(n.shape).numel() * n.dtype.itemsize for n in leaves)
-    lines = [f"{path or '(top level)'}: {module_types.get(path, '?')}",
-             f"{len(ops)} ops, {len(leaves)} leaves ({bytes_text(parameter_bytes)})",
-             f"saved {bytes_text(saved_bytes)}"]
+    lines = [
+        f"{path or '(top level)'}: {module_types.get(path, '?')}",
+        f"{len(ops)} ops, {len(leaves)} leaves ({bytes_text(parameter_bytes)})",
+        f"saved {bytes_text(saved_bytes)}",
+    ]
     dropped = sum(node.dropped_bytes for node in ops)
     if dropped:
         lines.append(f"dropped {bytes_text(dropped)}")
@@ -378,8 +454,13 @@ def _draw_legend(dot: graphviz.Digraph, used: list[str], caption: str) -> None:
     rows = "".join(_legend_row(style) for style in shown)
     with dot.subgraph(name="cluster_legend") as legend:
         legend.attr(label="legend", fontname=FONT, fontsize="10", color="grey70")
-        legend.node("legend.table", f'<<TABLE BORDER="0" CELLSPACING="3" CELLPADDING="1">{rows}</TABLE>>',
-                    shape="plaintext", style="", fillcolor="")
+        legend.node(
+            "legend.table",
+            f'<<TABLE BORDER="0" CELLSPACING="3" CELLPADDING="1">{rows}</TABLE>>',
+            shape="plaintext",
+            style="",
+            fillcolor="",
+        )
     dot.attr(label=caption, fontname=FONT, fontsize="10")
 
 
@@ -388,6 +469,9 @@ def _legend_row(style: str) -> str:
     attributes = STYLES[style]
     line = attributes.get("style", "")
     dash = ' STYLE="dashed"' if "dashed" in line else ' STYLE="dotted"' if "dotted" in line else ""
-    sample = (f'<TD WIDTH="22" HEIGHT="12" FIXEDSIZE="TRUE" BORDER="1" BGCOLOR="{attributes["fillcolor"]}" '
-              f'COLOR="{attributes.get("color", "black")}"{dash}></TD>')
+    sample = (
+        '<TD WIDTH="22" HEIGHT="12" FIXEDSIZE="TRUE" BORDER="1" '
+        f'BGCOLOR="{attributes["fillcolor"]}" '
+        f'COLOR="{attributes.get("color", "black")}"{dash}></TD>'
+    )
     return f'<TR>{sample}<TD ALIGN="LEFT">{LEGEND[style]}</TD></TR>'

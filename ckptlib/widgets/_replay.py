@@ -55,12 +55,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ckptlib.autograd_walk import walk as walk_nodes
 from ckptlib.core.trace import TraceEvent, record_trace
 from ckptlib.core.checkpoint import is_recomputing
 from ckptlib.core.peek import peek_saved
 from ckptlib.graph import AutogradGraph, autograd_graph, trace_modules
-from ckptlib.graph.walk import _walk as walk_nodes
 from ckptlib.memory import MemoryMeter, TimelineEntry, format_bytes
+from ckptlib.storage import storage_ptr, storage_ptrs
 
 __all__ = ["StepReplay", "Step", "make_step", "describe", "op_words", "STATES"]
 
@@ -112,7 +113,7 @@ class _Recorder:
         self.meter: MemoryMeter | None = None
         self.live_before_op = 0
         # The step's inputs were made before it: the meter never counts their memory.
-        self._input_storages = {t.untyped_storage().data_ptr() for t in inputs}
+        self._input_storages = storage_ptrs(inputs)
         self.quiet = False          # while the graph is walked: its reads are not events
         self._detaching = False     # our own detach in pack is not an op of the step
         self._orders = 0
@@ -159,7 +160,7 @@ class _Recorder:
         self._refs[order] = weakref.ref(stored, lambda _ref: self._released(order, key))
         meta = (tuple(tensor.shape), tensor.dtype, tensor.numel() * tensor.element_size())
         self.add(_Item("pack", self.ops, self.reading(), order=order, meta=meta,
-                       made_before=tensor.untyped_storage().data_ptr() in self._input_storages))
+                       made_before=storage_ptr(tensor) in self._input_storages))
         return stored
 
     def unpack(self, stored: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@ from ckptlib.memory import MemoryMeter, format_bytes
 from ckptlib.models import TinyTransformer
 from ckptlib.selective.ops import _tensors
 from ckptlib import palette
+from ckptlib.storage import storage_ptr, storage_ptrs
 from ckptlib.widgets._timing import compare, interleaved, spread
 from ckptlib.widgets._view import WidgetView, png_bytes
 
@@ -86,10 +87,9 @@ class _OpRows(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         elapsed_s = time.perf_counter() - start
         outputs = _tensors(out)
-        inputs = {t.untyped_storage().data_ptr()
-                  for t in _tensors((args, tuple((kwargs or {}).values())))}
+        inputs = storage_ptrs(_tensors((args, tuple((kwargs or {}).values()))))
         if not (func.is_view or func._schema.is_mutable or not outputs
-                or any(t.untyped_storage().data_ptr() in inputs for t in outputs)):
+                or any(storage_ptr(t) in inputs for t in outputs)):
             self.calls.append((signature(func, args),
                                sum(t.numel() * t.element_size() for t in outputs),
                                elapsed_s))

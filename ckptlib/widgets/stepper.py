@@ -33,7 +33,7 @@ from matplotlib.patches import Patch
 from ckptlib import palette
 from ckptlib.graph import AutogradGraph
 from ckptlib.graph.raster import svg_to_png
-from ckptlib.memory import format_bytes
+from ckptlib.memory import format_bytes, unit_for
 from ckptlib.widgets._replay import STATES, StepReplay, describe, make_step
 from ckptlib.widgets._stepper_picture import (
     NARROW_BELOW_PX, NARROW_WINDOW_PT, NOT_YET, STATE_STYLES, StepPicture,
@@ -268,7 +268,7 @@ class BackwardStepper(WidgetView):
     def _draw_timeline(self) -> tuple[bytes, tuple[float, float, float, float], tuple[float, float]]:
         figure = Figure(figsize=(TIMELINE_PX[0] / 80, TIMELINE_PX[1] / 80), dpi=80)
         axes = figure.add_axes((0.16, 0.36, 0.8, 0.5))
-        unit, scale = _unit(self.peak_bytes)
+        unit, scale = unit_for(self.peak_bytes)
         live = [frame["live_bytes"] / scale for frame in self.frames]
         axes.bar(range(len(live)), live, width=1.0, linewidth=0,
                  color=[palette.PHASES[frame["phase"]] for frame in self.frames])
@@ -291,7 +291,7 @@ class BackwardStepper(WidgetView):
         x0, x1, y0, y1 = self._axes_box
         left = 100 * (x0 + (index + 0.5) / len(self.frames) * (x1 - x0))
         low, high = self._y_limits
-        dot = y0 + (self.frames[index]["live_bytes"] / _unit(self.peak_bytes)[1] - low) / (high - low) * (y1 - y0)
+        dot = y0 + (self.frames[index]["live_bytes"] / unit_for(self.peak_bytes)[1] - low) / (high - low) * (y1 - y0)
         return (f"<div style='position:relative; width:{TIMELINE_PX[0]}px; height:{TIMELINE_PX[1]}px'>"
                 f"<img src='{png_data_uri(self._timeline_png)}' style='width:{TIMELINE_PX[0]}px; display:block'>"
                 f"<div style='position:absolute; left:{left:.2f}%; top:{100 * (1 - y1):.1f}%; "
@@ -306,12 +306,6 @@ def _chip(state: str) -> str:
     border = "dashed" if dash and dash.startswith("5") else "dotted" if dash else "solid"
     return (f"<span style='display:inline-block; width:16px; height:11px; margin-right:5px; background:{fill}; "
             f"border:1.5px {border} {line}'></span>")
-
-
-def _unit(peak_bytes: int) -> tuple[str, int]:
-    """The unit a plot of values up to ``peak_bytes`` reads best in."""
-    return next((name, size) for name, size in (("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if peak_bytes >= 2 * size
-                or size == 1)
 
 
 def _escape(text: str) -> str:
