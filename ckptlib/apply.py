@@ -104,7 +104,7 @@ def apply_checkpointing(
                         "To checkpoint a function, call ckptlib.checkpoint(fn, *args).")
     _check_how(how)
     integer(every_n, "every_n", least=1, where="apply_checkpointing")
-    chosen = _outermost(_selected(model, select))[::every_n]
+    chosen = selected_modules(model, select)[::every_n]
     handle = Checkpointed(model, how)
     for path, module in chosen:
         _refuse_double_checkpointing(path, module)
@@ -196,6 +196,12 @@ def repeated_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if len(children) > max(len(best), 1) and len({type(child) for _, child in children}) == 1:
             best = [(f"{path}.{name}" if path else name, child) for name, child in children]
     return best
+
+
+def selected_modules(model: nn.Module, select: Selector) -> list[tuple[str, nn.Module]]:
+    """(path, module) of what ``select`` chooses in ``model``, outermost only (a chosen module
+    inside another chosen one is left out: its parent's checkpoint covers it)."""
+    return _outermost(_selected(model, select))
 
 
 def _selected(model: nn.Module, select: Selector) -> list[tuple[str, nn.Module]]:

@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten
 
 from ckptlib._arguments import integer
 from ckptlib.storage import storage_bytes, storage_ptr, storage_ptrs
-from ckptlib.apply import Selector, _outermost, _selected
+from ckptlib.apply import Selector, selected_modules
 
 __all__ = ["plan_checkpointing", "ModelPlan", "ModuleCost"]
 
@@ -149,7 +149,7 @@ def plan_checkpointing(model: nn.Module, example_inputs: Any, *, budget_bytes: i
                         f"got {type(model).__name__}.")
     integer(budget_bytes, "budget_bytes", least=0, unit="number of bytes",
             where="plan_checkpointing")
-    candidates = _outermost(_selected(model, select))
+    candidates = selected_modules(model, select)
     with torch.random.fork_rng(devices=_devices(model)), torch.enable_grad():
         saved_bytes, dropped, kept, unsaved = _measure_bytes(model, example_inputs, candidates)
         flops, forward_flops = _measure_flops(model, example_inputs, candidates)
