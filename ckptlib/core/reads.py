@@ -378,5 +378,5 @@ class _StateWatch:
                 "torch.utils.checkpoint does the same). Fixes: checkpoint the layers around the module "
                 "instead of it, put it in eval mode, or put its state back during the recomputation "
                 "(a context_fn that restores the buffers, or a forward pre-hook that sets momentum to 0 "
-                "while ckptlib.checkpoint.is_recomputing(), as in notebook 04). Warned once per module.",
+                "while ckptlib.is_recomputing(), as in notebook 04). Warned once per module.",
                 StateUpdatedTwiceWarning, stacklevel=caller_stacklevel())
