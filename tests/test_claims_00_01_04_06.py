@@ -59,7 +59,7 @@ def test_region_names_are_the_function_or_module_then_a_counter():
     with record_trace() as trace:
         ckptlib.checkpoint(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), torch.randn(3, 2, requires_grad=True))
     regions = {event.region for event in trace.events}
-    assert len(regions) == 1 and re.fullmatch(r"Sequential@\d+", regions.pop())
+    assert len(regions) == 1 and re.fullmatch(r"Sequential@\d+", str(regions.pop()))
 
 
 def test_00_graph_draws_the_checkpoints_own_input_as_freeing_nothing():

@@ -242,9 +242,9 @@ def _slots(loss: torch.Tensor, recorder: _Recorder, graph: AutogradGraph
     return by_order, by_region, facts
 
 
-def _base_name(region: str) -> str:
-    """``"Block.forward@3"`` -> ``"Block.forward"``; ``"f.<locals>.<lambda>@7"`` -> ``"<lambda>"``."""
-    return (region.rpartition("@")[0] or region).rpartition("<locals>.")[2]
+def _base_name(region: Any) -> str:
+    """``Block.forward@3`` -> ``"Block.forward"``; ``f.<locals>.<lambda>@7`` -> ``"<lambda>"``."""
+    return getattr(region, "name", str(region)).rpartition("<locals>.")[2]
 
 
 # ---------------------------------------------------------------------------
