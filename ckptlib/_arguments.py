@@ -28,8 +28,9 @@ import numbers
 import sys
 from typing import Any, Callable, ContextManager
 
-__all__ = ["got", "integer", "number", "flag", "flags", "function", "qualname", "check_not_reentrant",
-           "check_checkpoint_arguments", "checkpoint_contexts", "torch_early_stop"]
+__all__ = ["got", "integer", "number", "flag", "flags", "function", "qualname",
+           "check_not_reentrant", "check_checkpoint_arguments", "checkpoint_contexts",
+           "torch_early_stop"]
 
 
 def got(value: Any) -> str:
@@ -38,7 +39,8 @@ def got(value: Any) -> str:
     >>> got("8"), got(None)
     ("got '8' (str)", 'got None')
     """
-    if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor or an array: its repr is its values
+    # a tensor or an array: its repr is its values
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"got a {type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
     text = " ".join(repr(value).split())
     if len(text) > 60:
@@ -86,7 +88,8 @@ def integer(value: Any, name: str, *, least: int | None = None, unit: str = "", 
 
 
 def number(value: Any, name: str, *, least: float | None = None, most: float | None = None,
-           unit: str = "number", note: str = "", where: str = "", range_apart: bool = False) -> int | float:
+           unit: str = "number", note: str = "", where: str = "",
+           range_apart: bool = False) -> int | float:
     """``value`` as an ``int`` or ``float`` when it is a finite real number (not a bool) in range.
 
     ``note`` says in a few words what the number means; it follows the range in parentheses.
@@ -97,7 +100,8 @@ def number(value: Any, name: str, *, least: float | None = None, most: float | N
     Traceback (most recent call last):
     ...
     ValueError: memory_budget must be a finite number of bytes >= 0, got nan (float).
-    >>> number("half", "memory_ratio", least=0, note="a fraction", where="policy_from_costs", range_apart=True)
+    >>> number("half", "memory_ratio", least=0, note="a fraction", where="policy_from_costs",
+    ...        range_apart=True)
     Traceback (most recent call last):
     ...
     TypeError: policy_from_costs: memory_ratio must be a number (a fraction), got 'half' (str).
@@ -126,14 +130,16 @@ def flag(value: Any, name: str, *, where: str = "") -> bool:
     TypeError: checkpoint: early_stop must be True or False, got None (NoneType).
     """
     if not isinstance(value, bool):
-        # None says its type here: next to "True or False" it reads as an unset flag, and it is not False.
+        # None says its type here: next to "True or False" it reads as an unset flag, and it is
+        # not False.
         shown = "got None (NoneType)" if value is None else got(value)
         raise TypeError(f"{_where(where)}{name} must be True or False, {shown}.")
     return value
 
 
 def flags(where: str, **values: Any) -> None:
-    """:func:`flag` for each keyword: ``flags("selective_contexts", replay_random=True, skip_unneeded=False)``."""
+    """:func:`flag` for each keyword:
+    ``flags("selective_contexts", replay_random=True, skip_unneeded=False)``."""
     for name, value in values.items():
         flag(value, name, where=where)
 
@@ -165,7 +171,8 @@ def function(value: Any, name: str, *, takes: int, accepts: str, where: str = ""
 
 
 def qualname(obj: Any) -> str:
-    """How an error names a function or callable object: ``block``, ``Block.forward``, ``CostPolicy``.
+    """How an error names a function or callable object: ``block``, ``Block.forward``,
+    ``CostPolicy``.
 
     >>> qualname(len), qualname(qualname), qualname(object())
     ('len', 'qualname', 'object')
@@ -180,15 +187,16 @@ def check_not_reentrant(where: str, use_reentrant: Any, instead: str) -> None:
         return
     if not isinstance(use_reentrant, bool):
         raise TypeError(f"{where}: use_reentrant must be None or False, {got(use_reentrant)}.")
-    runs = "ckptlib.checkpoint is" if where == "checkpoint" else f"{where} runs ckptlib.checkpoint, which is"
+    runs = ("ckptlib.checkpoint is" if where == "checkpoint"
+            else f"{where} runs ckptlib.checkpoint, which is")
     raise ValueError(f"{runs} always non-reentrant; drop use_reentrant=True (or use {instead}).")
 
 
 _DETERMINISM_CHECKS = ("default", "none")   # torch.utils.checkpoint's two
 
 
-def check_checkpoint_arguments(fn: Any, flag_values: dict[str, Any], context_fn: Any, use_reentrant: Any,
-                               determinism_check: Any) -> None:
+def check_checkpoint_arguments(fn: Any, flag_values: dict[str, Any], context_fn: Any,
+                               use_reentrant: Any, determinism_check: Any) -> None:
     """``checkpoint``'s own arguments, refused at the call before anything runs."""
     if not callable(fn):
         raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
@@ -196,30 +204,36 @@ def check_checkpoint_arguments(fn: Any, flag_values: dict[str, Any], context_fn:
     flags("checkpoint", **flag_values)
     if not isinstance(determinism_check, str) or determinism_check not in _DETERMINISM_CHECKS:
         raise (ValueError if isinstance(determinism_check, str) else TypeError)(
-            f"checkpoint: determinism_check must be 'default' (compare every saved tensor of the "
-            f"recomputation with the forward's) or 'none' (compare none), {got(determinism_check)}.")
-    check_not_reentrant("checkpoint", use_reentrant, "torch.utils.checkpoint for the reentrant variant")
+            "checkpoint: determinism_check must be 'default' (compare every saved tensor of the "
+            "recomputation with the forward's) or 'none' (compare none), "
+            f"{got(determinism_check)}.")
+    check_not_reentrant("checkpoint", use_reentrant,
+                        "torch.utils.checkpoint for the reentrant variant")
     if context_fn is not None and not callable(context_fn):
-        raise TypeError(f"checkpoint: context_fn must be None or a function returning two context managers "
-                        f"(forward_context, recompute_context), got {type(context_fn).__name__}.")
+        raise TypeError("checkpoint: context_fn must be None or a function returning two context "
+                        "managers (forward_context, recompute_context), got "
+                        f"{type(context_fn).__name__}.")
 
 
-def checkpoint_contexts(context_fn: Callable[[], Any] | None) -> tuple[ContextManager, ContextManager]:
-    """The (forward, recompute) context pair ``context_fn`` returns, checked; two null contexts for None."""
+def checkpoint_contexts(
+        context_fn: Callable[[], Any] | None) -> tuple[ContextManager, ContextManager]:
+    """The (forward, recompute) context pair ``context_fn`` returns, checked; two null contexts
+    for None."""
     if context_fn is None:
         return contextlib.nullcontext(), contextlib.nullcontext()
     contexts = context_fn()
     if not (isinstance(contexts, (tuple, list)) and len(contexts) == 2
             and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in contexts)):
         shown = repr(contexts) if len(repr(contexts)) < 80 else type(contexts).__name__
-        raise TypeError("checkpoint: context_fn must return two context managers (forward_context, "
-                        f"recompute_context), e.g. lambda: (contextlib.nullcontext(), my_context()); "
-                        f"it returned {shown}.")
+        raise TypeError("checkpoint: context_fn must return two context managers "
+                        "(forward_context, recompute_context), e.g. lambda: "
+                        f"(contextlib.nullcontext(), my_context()); it returned {shown}.")
     return contexts[0], contexts[1]
 
 
 def torch_early_stop(early_stop: bool) -> bool:
-    """``early_stop``, unless ``torch.utils.checkpoint.set_checkpoint_early_stop(...)`` is active (torch's meaning)."""
+    """``early_stop``, unless ``torch.utils.checkpoint.set_checkpoint_early_stop(...)`` is active
+    (torch's meaning)."""
     torch_checkpoint = sys.modules.get("torch.utils.checkpoint")
     override = getattr(torch_checkpoint, "_enable_checkpoint_early_stop", None)
     return early_stop if override is None else override

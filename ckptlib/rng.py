@@ -56,14 +56,16 @@ import torch
 import torch.nn as nn
 
 
-@dataclass(slots=True)    # not frozen: a frozen dataclass is slower to make, and two are made per call
+# Not frozen: a frozen dataclass is slower to make, and two are made per call.
+@dataclass(slots=True)
 class RNGState:
     """The generators' states at one moment: always the CPU one, CUDA ones if CUDA is up."""
 
     cpu: torch.Tensor
     cuda_devices: tuple[int, ...] = ()
     cuda_states: tuple[torch.Tensor, ...] = field(default=())
-    caller_generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()   # (generator, its state)
+    # (generator, its state)
+    caller_generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
 
     @property
     def generators(self) -> frozenset:
@@ -89,18 +91,22 @@ def cuda_devices_of(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
     return tuple(sorted(devices))
 
 
-def capture(tensors: Iterable[torch.Tensor], generators: Iterable[torch.Generator] = ()) -> RNGState:
+def capture(tensors: Iterable[torch.Tensor],
+            generators: Iterable[torch.Generator] = ()) -> RNGState:
     """Snapshot the CPU generator and, when CUDA is initialised, the generators of
     the CUDA devices that ``tensors`` live on (plus the current device); also the
     caller's own ``generators`` (see :func:`generators_reachable`)."""
-    tensors = list(tensors) if isinstance(tensors, Iterable) and not isinstance(tensors, torch.Tensor) else None
+    tensors = (list(tensors)
+               if isinstance(tensors, Iterable) and not isinstance(tensors, torch.Tensor)
+               else None)
     if tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError("capture: tensors must be a list (or other iterable) of tensors, e.g. the "
                         "region's inputs; pass [] to capture the CPU generator only.")
     return capture_devices(cuda_devices_of(tensors), generators)
 
 
-def capture_devices(cuda_devices: tuple[int, ...], generators: Iterable[torch.Generator] = ()) -> RNGState:
+def capture_devices(cuda_devices: tuple[int, ...],
+                    generators: Iterable[torch.Generator] = ()) -> RNGState:
     """Snapshot the CPU generator, those of ``cuda_devices`` and the caller's ``generators``."""
     return RNGState(
         cpu=torch.get_rng_state(),
@@ -122,9 +128,10 @@ class replay:
 
     def __init__(self, state: RNGState) -> None:
         if not isinstance(state, RNGState):
-            raise TypeError(f"replay: state must be an RNGState from rng.capture(...), got {type(state).__name__}.")
+            raise TypeError("replay: state must be an RNGState from rng.capture(...), got "
+                            f"{type(state).__name__}.")
         self.state = state
-        self.after: RNGState | None = None   # the state the block left, if another thread overlapped
+        self.after: RNGState | None = None   # the block's end state, if another thread overlapped
 
     def __enter__(self) -> "in_use":
         state = self.state
@@ -196,7 +203,8 @@ def _visit(obj: Any, found: dict[int, torch.Generator], seen: set[int], depth: i
         _add_generators(obj.values(), found)
 
 
-def _visit_function(fn: types.FunctionType, found: dict[int, torch.Generator], seen: set[int], depth: int) -> None:
+def _visit_function(fn: types.FunctionType, found: dict[int, torch.Generator], seen: set[int],
+                    depth: int) -> None:
     for cell in fn.__closure__ or ():
         try:
             _visit(cell.cell_contents, found, seen, depth + 1)
@@ -274,12 +282,12 @@ def shared_with_another_thread(before: RNGState, after: RNGState | None, overlap
     drawn = drawn_from(before, after) & overlap if overlap and after is not None else set()
     if not drawn:
         return None
-    return (f"another thread's checkpoint used the random number generator ({', '.join(map(str, drawn))}) "
-            "while this region's forward or recomputation ran, and this region draws random numbers "
-            "(dropout): the generator is shared by all threads, so the recomputation cannot replay the "
-            "forward's draws and its gradients would be wrong. Run checkpointed steps that draw random "
-            "numbers in one thread at a time (a lock around forward and backward), or use processes "
-            "instead of threads.")
+    return ("another thread's checkpoint used the random number generator "
+            f"({', '.join(map(str, drawn))}) while this region's forward or recomputation ran, and "
+            "this region draws random numbers (dropout): the generator is shared by all threads, "
+            "so the recomputation cannot replay the forward's draws and its gradients would be "
+            "wrong. Run checkpointed steps that draw random numbers in one thread at a time "
+            "(a lock around forward and backward), or use processes instead of threads.")
 
 
 def drawn_from(before: RNGState, after: RNGState) -> set:
@@ -301,9 +309,9 @@ class NotReplayedRandomWarning(UserWarning):
     recomputation does not replay."""
 
 
-# id -> the code object (or module class) checked, kept alive so that its id stays its own. Keyed by id:
-# a code object's hash is computed from its whole contents at every lookup, and this runs at every
-# checkpoint call. It grows with the program's code, not with its calls.
+# id -> the code object (or module class) checked, kept alive so that its id stays its own. Keyed
+# by id: a code object's hash is computed from its whole contents at every lookup, and this runs at
+# every checkpoint call. It grows with the program's code, not with its calls.
 _checked_functions: dict[int, Any] = {}
 
 
@@ -348,7 +356,8 @@ class ForeignDraws:
         """Which of ``random`` and NumPy drew since this was made."""
         after = _foreign_states()
         moved = ["Python's `random`"] if after[0] != self.before[0] else []
-        if after[1] is not None and self.before[1] is not None and not _numpy_state_equal(after[1], self.before[1]):
+        if after[1] is not None and self.before[1] is not None \
+                and not _numpy_state_equal(after[1], self.before[1]):
             moved.append("NumPy's global generator (np.random)")
         return moved
 
@@ -357,12 +366,13 @@ class ForeignDraws:
         if moved:
             warnings.warn(
                 f"checkpoint {region}: the checkpointed function drew random numbers from "
-                f"{' and '.join(moved)} in the forward pass. A checkpoint replays torch's generators in "
-                "the recomputation, not Python's or NumPy's, so the rerun draws other numbers and the "
-                "gradients are wrong wherever the result depends on them (torch.utils.checkpoint does the "
-                "same, silently). Draw with torch instead (torch.rand, torch.randint, torch.randperm: "
-                "replayed), or draw outside the checkpointed function and pass the numbers in. Checked "
-                "on the first call of each function.", NotReplayedRandomWarning, stacklevel=stacklevel)
+                f"{' and '.join(moved)} in the forward pass. A checkpoint replays torch's "
+                "generators in the recomputation, not Python's or NumPy's, so the rerun draws "
+                "other numbers and the gradients are wrong wherever the result depends on them "
+                "(torch.utils.checkpoint does the same, silently). Draw with torch instead "
+                "(torch.rand, torch.randint, torch.randperm: replayed), or draw outside the "
+                "checkpointed function and pass the numbers in. Checked on the first call of each "
+                "function.", NotReplayedRandomWarning, stacklevel=stacklevel)
 
 
 def _numpy_state_equal(first: tuple, second: tuple) -> bool:

@@ -59,8 +59,8 @@ from ckptlib.core.keys import TensorMeta, key_mismatch, saved_key
 from ckptlib.core.region import RegionId, function_name
 from ckptlib.storage import storage_ptr, storage_ptrs
 
-__all__ = ["checkpoint", "is_recomputing", "Holder", "Frame", "StopRecomputation", "CheckpointError",
-           "RecomputeAgain"]
+__all__ = ["checkpoint", "is_recomputing", "Holder", "Frame", "StopRecomputation",
+           "CheckpointError", "RecomputeAgain"]
 
 _region_numbers = itertools.count()
 _outside_backward_tasks = itertools.count(start=1)
@@ -78,7 +78,8 @@ class Holder:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.recomputed: dict[int, Any] = {}   # backward pass (graph task id) -> its recomputed tensor
+        # backward pass (graph task id) -> its recomputed tensor
+        self.recomputed: dict[int, Any] = {}
         self.unpack_count = 0
         self.frees_memory = True   # set by the guards: False for inputs, parameters, views of them
 
@@ -201,10 +202,11 @@ class Frame:
         tensor = holder.recomputed.get(task, _USED)
         if tensor is _USED:
             raise CheckpointError(
-                f"checkpoint {self.region}: saved tensor #{holder.index} ({self.meta(holder.index)}) was "
-                "unpacked twice in one backward pass. Each recomputed tensor is handed out once and then "
-                "released. If a custom autograd.Function reads ctx.saved_tensors more than once in "
-                "backward, read it once into a local variable.")
+                f"checkpoint {self.region}: saved tensor #{holder.index} "
+                f"({self.meta(holder.index)}) was unpacked twice in one backward pass. Each "
+                "recomputed tensor is handed out once and then released. If a custom "
+                "autograd.Function reads ctx.saved_tensors more than once in backward, read it "
+                "once into a local variable.")
         for hook in self.on_unpack:
             hook(self, task, holder, tensor)
         holder.recomputed[task] = _USED
@@ -234,14 +236,15 @@ class Frame:
                 self.rerun(task, last_needed)
             except RecomputeAgain:
                 self.release(task)
-                raise CheckpointError(f"checkpoint {self.region}: the recompute context asked for a second "
-                                      "recomputation, then for a third; giving up.") from None
+                raise CheckpointError(
+                    f"checkpoint {self.region}: the recompute context asked for a second "
+                    "recomputation, then for a third; giving up.") from None
 
     def rerun(self, task: int, last_needed: int) -> None:
         """Run ``fn`` again under ``fill``, the second pack hook (steps 2 to 4)."""
         counter = itertools.count()
         rerun_input_ptrs: set[int] = set()
-        stop_at_next_pack = False   # the last needed tensor is an op's buffer, filled after its save
+        stop_at_next_pack = False   # the last needed tensor is an op's buffer, filled after saving
         stopped = False             # StopRecomputation was raised (it may come out wrapped)
 
         def stop(index: int) -> None:
@@ -259,16 +262,16 @@ class Frame:
             index = next(counter)
             if not tensor.requires_grad:
                 detached = tensor
-            elif type(tensor) is torch.Tensor:   # a plain detach needs no dispatch mode (~15 us each)
+            elif type(tensor) is torch.Tensor:   # plain detach: no dispatch mode (~15 us each)
                 with _NO_PYTHON_DISPATCH():
                     detached = tensor.detach()
             else:
                 detached = tensor.detach()
             if index >= len(self.keys):
                 raise CheckpointError(
-                    f"checkpoint {self.region}: the recomputation saved more tensors than the forward pass "
-                    f"did (forward saved {len(self.keys)}; extra tensor #{index}: {TensorMeta.of(tensor)}). "
-                    f"{self.guards.mismatch_causes()}")
+                    f"checkpoint {self.region}: the recomputation saved more tensors than the "
+                    f"forward pass did (forward saved {len(self.keys)}; extra tensor #{index}: "
+                    f"{TensorMeta.of(tensor)}). {self.guards.mismatch_causes()}")
             if self.check_keys:
                 key = saved_key(tensor, storage_ptr(tensor), rerun_input_ptrs)
                 if key != self.keys[index]:
@@ -296,14 +299,16 @@ class Frame:
             raise   # the holders filled so far are filled again by the next run
         except BaseException as error:
             # Code between the hook and here may wrap the early stop in its own exception
-            # (TorchScript re-raises it as a RuntimeError): once stopped, every needed holder is filled.
+            # (TorchScript re-raises it as a RuntimeError): once stopped, every needed holder
+            # is filled.
             if not stopped:
                 self.release(task)
                 lost = self.guards.lost_transform()
                 if lost is not None and not isinstance(error, CheckpointError):
                     raise CheckpointError(f"checkpoint {self.region}: {lost}") from error
                 raise
-        shared = self.rng and rng.shared_with_another_thread(self.rng, self.rng_after, self.rng_overlap, replays)
+        shared = self.rng and rng.shared_with_another_thread(self.rng, self.rng_after,
+                                                             self.rng_overlap, replays)
         saved = next(counter)
         if shared or saved <= last_needed:
             self.release(task)
@@ -324,7 +329,8 @@ class Frame:
         try:
             if self.rng is not None:
                 replays.append(random)
-            with random, torch.enable_grad(), guards.outside_inference_mode(), casting, self.recompute_context:
+            with random, torch.enable_grad(), guards.outside_inference_mode(), casting, \
+                    self.recompute_context:
                 self.fn(*args, **kwargs)
         finally:
             _thread.recompute_depth -= 1
@@ -332,8 +338,8 @@ class Frame:
     def _refuse(self, index: int, tensor: torch.Tensor, key: tuple) -> None:
         """The rerun's ``index``-th saved tensor is not the forward's: ask again, or raise."""
         again = getattr(self.recompute_context, "recompute_again", None)   # extension point
-        if tensor.device.type == "meta" and self.keys[index][2].type != "meta" and again is not None \
-                and again():
+        if tensor.device.type == "meta" and self.keys[index][2].type != "meta" \
+                and again is not None and again():
             raise RecomputeAgain   # a result the context skipped was needed after all
         raise CheckpointError(f"checkpoint {self.region}: " + (
             self.guards.lost_transform() or key_mismatch(index, self.keys[index], key)))
@@ -359,7 +365,8 @@ def _points_of(kind: type) -> tuple[str, ...]:
     """The named points an observer class has a method for (looked up once per class)."""
     points = _POINTS_BY_CLASS.get(kind)
     if points is None:
-        points = _POINTS_BY_CLASS[kind] = tuple(p for p in _POINTS if callable(getattr(kind, p, None)))
+        points = _POINTS_BY_CLASS[kind] = tuple(
+            p for p in _POINTS if callable(getattr(kind, p, None)))
     return points
 
 
@@ -431,7 +438,8 @@ def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
 
 def _autocast(state) -> ContextManager:
     """The forward's autocast state, for a rerun that runs under another one (step 3)."""
-    return _together([torch.autocast(device, dtype=dtype, enabled=enabled) for device, enabled, dtype in state])
+    return _together([torch.autocast(device, dtype=dtype, enabled=enabled)
+                      for device, enabled, dtype in state])
 
 
 def _together(contexts: list[ContextManager]) -> ContextManager:
@@ -502,8 +510,9 @@ def checkpoint(
             fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop, debug=debug,
             context_fn=context_fn, use_reentrant=use_reentrant, determinism_check=determinism_check,
             **kwargs)
-    check_checkpoint_arguments(fn, {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop,
-                                    "debug": debug}, context_fn, use_reentrant, determinism_check)
+    check_checkpoint_arguments(fn, {"preserve_rng_state": preserve_rng_state,
+                                    "early_stop": early_stop, "debug": debug},
+                               context_fn, use_reentrant, determinism_check)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     frame = Frame(fn, args, kwargs, preserve_rng_state, torch_early_stop(early_stop),
@@ -511,7 +520,8 @@ def checkpoint(
     foreign_draws = rng.ForeignDraws.first_time(fn) if preserve_rng_state else None
     cuda_was_up = torch.cuda.is_initialized()
     returned = False
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), frame.forward_context, \
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), \
+            frame.forward_context, \
             rng.in_use(frame.rng) if preserve_rng_state else _NOTHING as rng_use, \
             _together([hook() for hook in frame.around_forward]):
         try:
@@ -522,10 +532,10 @@ def checkpoint(
             raise
     if not returned:
         raise RuntimeError(
-            f"checkpoint {frame.region}: the forward context from context_fn suppressed the exception the "
-            f"checkpointed function raised ({type(failure).__name__}: {failure}), so there is no output to "
-            "return. Let the context's __exit__ return None or False (do not swallow exceptions), or catch "
-            "the exception inside the function.") from failure
+            f"checkpoint {frame.region}: the forward context from context_fn suppressed the "
+            f"exception the checkpointed function raised ({type(failure).__name__}: {failure}), so "
+            "there is no output to return. Let the context's __exit__ return None or False (do "
+            "not swallow exceptions), or catch the exception inside the function.") from failure
     if foreign_draws is not None:
         foreign_draws.warn_if_moved(frame.region, stacklevel=caller_stacklevel() + 1)
     if preserve_rng_state and not cuda_was_up and torch.cuda.is_initialized():

@@ -21,14 +21,15 @@ import torch
 
 __all__ = ["COMPILE_REASON", "run_eagerly_under_dynamo", "outside_dynamo"]
 
-COMPILE_REASON = ("ckptlib.checkpoint runs eagerly under torch.compile (Python saved-tensor hooks "
-                  "cannot be traced): drop fullgraph=True, or use torch.utils.checkpoint, which the "
-                  "compiler traces, inside a fullgraph region.")
+COMPILE_REASON = ("ckptlib.checkpoint runs eagerly under torch.compile (Python saved-tensor "
+                  "hooks cannot be traced): drop fullgraph=True, or use torch.utils.checkpoint, "
+                  "which the compiler traces, inside a fullgraph region.")
 
 _disabled: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
-def run_eagerly_under_dynamo(fn: Callable[..., Any], reason: str = COMPILE_REASON) -> Callable[..., Any]:
+def run_eagerly_under_dynamo(fn: Callable[..., Any],
+                             reason: str = COMPILE_REASON) -> Callable[..., Any]:
     """Mark ``fn`` so Dynamo breaks the graph at its call and runs it eagerly; returns ``fn``."""
     fn._torchdynamo_disable = True   # type: ignore[attr-defined]
     fn._torchdynamo_disable_msg = reason   # type: ignore[attr-defined]

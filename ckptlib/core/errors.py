@@ -28,7 +28,8 @@ _LIBRARY_DIRS = (os.path.dirname(torch.__file__) + os.sep,
 
 
 def caller_stacklevel() -> int:
-    """The stacklevel of the first frame outside torch and ckptlib: the user's line, for warnings."""
+    """The stacklevel of the first frame outside torch and ckptlib: the user's line, for
+    warnings."""
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame, level = frame.f_back, level + 1

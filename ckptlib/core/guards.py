@@ -93,7 +93,8 @@ class Guards:
         # rerun must save the same tensor or the same storage: FSDP2 gathers a parameter anew (same
         # tensor, new storage); the rerun's inputs are detached (new tensor, same storage).
         self.leaf_ids: dict[int, tuple[int, int | None]] = {}
-        self.versions: dict[tuple[int, int], int] = {}   # (task, index) -> a recomputed tensor's version
+        # (task, index) -> a recomputed tensor's version
+        self.versions: dict[tuple[int, int], int] = {}
 
     def on_pack(self, frame: Any, holder: Any, tensor: torch.Tensor, ptr: int | None) -> None:
         leaf = _leaf_of(tensor)
@@ -121,10 +122,11 @@ class Guards:
     def around_rerun(self, frame: Any) -> ContextManager:
         return self.reads.around_rerun(frame.region)
 
-    def on_fill(self, frame: Any, task: int, index: int, tensor: torch.Tensor, detached: torch.Tensor,
-                holder: Any) -> None:
+    def on_fill(self, frame: Any, task: int, index: int, tensor: torch.Tensor,
+                detached: torch.Tensor, holder: Any) -> None:
         forward_leaf = self.leaf_ids.get(index)
-        if forward_leaf is not None and frame.check_keys and forward_leaf[1] != storage_ptr(tensor) \
+        if forward_leaf is not None and frame.check_keys \
+                and forward_leaf[1] != storage_ptr(tensor) \
                 and forward_leaf[0] != id(_leaf_of(tensor)):
             raise CheckpointError(f"checkpoint {frame.region}: "
                                   f"{replaced_parameter(index, frame.meta(index))}")
@@ -144,7 +146,8 @@ class Guards:
         if version is not None and tensor._version != version:
             frame.release(task)
             raise CheckpointError(f"checkpoint {frame.region}: " + modified_in_place(
-                holder.index, frame.keys[holder.index], version, tensor._version, frame.node_name()))
+                holder.index, frame.keys[holder.index], version, tensor._version,
+                frame.node_name()))
 
     def on_release(self, frame: Any, task: int, released: int) -> None:
         if self.versions:
@@ -168,45 +171,50 @@ def modified_in_place(index: int, key: tuple, version: int, now: int, node: str 
     made_by = _producer(key)
     made_by = made_by[1] if isinstance(made_by, tuple) else made_by   # a view's: its base's
     made = f" made by {made_by.__name__}" if isinstance(made_by, type) else ""
-    return (f"saved tensor #{index} ({TensorMeta.from_key(key)}){made} was modified by an in-place operation "
-            f"inside the checkpointed function after an op saved it (version {version} -> {now}), so "
-            f"{node or 'backward'} would get the changed values. Plain autograd raises here too (\"one of the "
-            "variables needed for gradient computation has been modified by an inplace operation\"). Use the "
-            "out-of-place form of the op that changed it (h = h * 3 instead of h.mul_(3)), or clone the tensor "
-            "before changing it.")
+    return (f"saved tensor #{index} ({TensorMeta.from_key(key)}){made} was modified by an in-place "
+            f"operation inside the checkpointed function after an op saved it (version {version} "
+            f"-> {now}), so {node or 'backward'} would get the changed values. Plain autograd "
+            "raises here too (\"one of the variables needed for gradient computation has been "
+            "modified by an inplace operation\"). Use the out-of-place form of the op that "
+            "changed it (h = h * 3 instead of h.mul_(3)), or clone the tensor before changing it.")
 
 
 def input_modified_by_fn(inputs: list[tuple[weakref.ReferenceType, int]]) -> str | None:
-    """After the forward: the message for the first input (weakly kept, with its version at the call)
-    whose version moved, i.e. that the function itself changed in place; ``None`` if none did."""
+    """After the forward: the message for the first input (weakly kept, with its version at the
+    call) whose version moved, i.e. that the function itself changed in place; ``None`` if none
+    did."""
     for position, (ref, version) in enumerate(inputs):
         tensor = ref()
         if tensor is not None and tensor._version != version:
             return (f"the checkpointed function itself modified its input tensor #{position} "
-                    f"({TensorMeta.of(tensor)}) in place during the forward pass (version {version} -> "
-                    f"{tensor._version}), so the values the forward started from are gone and the "
-                    "recomputation cannot start from them (plain autograd runs this, as it keeps every "
-                    "activation). Make the function leave its inputs alone: u = u * 2 instead of "
-                    "u.mul_(2), or u = u.clone() as its first line.")
+                    f"({TensorMeta.of(tensor)}) in place during the forward pass (version "
+                    f"{version} -> {tensor._version}), so the values the forward started from are "
+                    "gone and the recomputation cannot start from them (plain autograd runs this, "
+                    "as it keeps every activation). Make the function leave its inputs alone: "
+                    "u = u * 2 instead of u.mul_(2), or u = u.clone() as its first line.")
     return None
 
 
 def replaced_parameter(index: int, meta: TensorMeta) -> str:
-    """Why a rerun whose saved tensor ``index`` is another parameter than the forward's is refused."""
-    return (f"saved tensor #{index} ({meta}) was a parameter (a leaf that requires grad) in the forward "
-            "pass, and the recomputation saved another tensor of the same shape in its place: the parameter "
-            "was replaced between forward and backward, e.g. by torch.func.functional_call (it swaps a "
-            "module's parameters only while its call runs) or by `module.weight = nn.Parameter(...)`. The "
-            "rerun would compute with the current parameters and give wrong gradients. Pass the parameters "
-            "into the checkpointed function instead (checkpoint(lambda x, params: functional_call(model, "
-            "params, (x,)), x, params)), or do not replace them before backward. (A leaf that the function "
-            "itself makes with requires_grad=True is another tensor at every run: make it outside and pass "
-            "it in.)")
+    """Why a rerun whose saved tensor ``index`` is another parameter than the forward's is
+    refused."""
+    return (f"saved tensor #{index} ({meta}) was a parameter (a leaf that requires grad) in the "
+            "forward pass, and the recomputation saved another tensor of the same shape in its "
+            "place: the parameter was replaced between forward and backward, e.g. by "
+            "torch.func.functional_call (it swaps a module's parameters only while its call runs) "
+            "or by `module.weight = nn.Parameter(...)`. The rerun would compute with the current "
+            "parameters and give wrong gradients. Pass the parameters into the checkpointed "
+            "function instead (checkpoint(lambda x, params: functional_call(model, params, (x,)), "
+            "x, params)), or do not replace them before backward. (A leaf that the function "
+            "itself makes with requires_grad=True is another tensor at every run: make it outside "
+            "and pass it in.)")
 
 
 def may_be_filled_later(keys: list[tuple], index: int) -> bool:
-    """Could the op that saved tensor ``index`` still write into a tensor it saved (see the notes)?"""
-    return _producer(keys[index]) is CONSTANT or (index > 0 and _producer(keys[index - 1]) is CONSTANT)
+    """Could the op that saved tensor ``index`` still write into a tensor it saved (see the
+    notes)?"""
+    return _producer(keys[index]) is CONSTANT \
+        or (index > 0 and _producer(keys[index - 1]) is CONSTANT)
 
 
 def rerun_input(tensor: torch.Tensor) -> torch.Tensor:
@@ -230,16 +238,18 @@ def lost_transform(forward_levels: tuple[int, int | None]) -> str | None:
     forward_level, functorch_level = forward_levels
     now_forward_level, now_functorch_level = transform_levels()
     if functorch_level is not None and now_functorch_level != functorch_level:
-        return ("the forward ran inside a torch.func transform (vmap, grad, jacrev, ...) and this backward "
-                "runs outside it, so the recomputation cannot rebuild the batched or wrapped tensors the "
-                "forward saved (and torch.func.grad, vjp and jacrev refuse saved-tensor hooks, so the "
-                "gradient cannot be taken inside either). Checkpoint outside the transform, e.g. around the "
-                "vmapped call, or do not checkpoint a function that runs under it.")
+        return ("the forward ran inside a torch.func transform (vmap, grad, jacrev, ...) and this "
+                "backward runs outside it, so the recomputation cannot rebuild the batched or "
+                "wrapped tensors the forward saved (and torch.func.grad, vjp and jacrev refuse "
+                "saved-tensor hooks, so the gradient cannot be taken inside either). Checkpoint "
+                "outside the transform, e.g. around the vmapped call, or do not checkpoint a "
+                "function that runs under it.")
     if forward_level >= 0 and now_forward_level != forward_level:
-        return ("the forward ran inside forward-mode AD (torch.autograd.forward_ad.dual_level) and this "
-                "backward runs after that level was exited, so the recomputation runs without the dual "
-                "tensors' tangents and saves other tensors than the forward did. Call backward inside the "
-                "`with dual_level():` block, or checkpoint outside forward-mode AD.")
+        return ("the forward ran inside forward-mode AD (torch.autograd.forward_ad.dual_level) "
+                "and this backward runs after that level was exited, so the recomputation runs "
+                "without the dual tensors' tangents and saves other tensors than the forward did. "
+                "Call backward inside the `with dual_level():` block, or checkpoint outside "
+                "forward-mode AD.")
     return None
 
 

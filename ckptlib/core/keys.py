@@ -95,8 +95,10 @@ def saved_key(tensor: torch.Tensor, ptr: int | None, input_ptrs: Collection[int]
     base = tensor._base
     source = tensor if base is None else base
     node = source.grad_fn
-    made_by: Any = type(node) if node is not None else PARAMETER if source.requires_grad else CONSTANT
-    return SavedKey(tensor.shape, tensor.dtype, tensor.device, made_by if base is None else (VIEW, made_by))
+    made_by: Any = (type(node) if node is not None
+                    else PARAMETER if source.requires_grad else CONSTANT)
+    return SavedKey(tensor.shape, tensor.dtype, tensor.device,
+                    made_by if base is None else (VIEW, made_by))
 
 
 def producer_words(key: tuple) -> str:
@@ -118,4 +120,5 @@ def key_mismatch(index: int, forward: tuple, rerun: tuple) -> str:
     else:
         what = (f"forward saved {before} {producer_words(forward)}; recomputation produced one "
                 f"{producer_words(rerun)} (same shape, another operation)")
-    return f"saved tensor #{index} differs between forward and recomputation: {what}. {MISMATCH_CAUSES}"
+    return (f"saved tensor #{index} differs between forward and recomputation: {what}. "
+            f"{MISMATCH_CAUSES}")

@@ -28,7 +28,8 @@ class PackedInfo:
     meta: TensorMeta
     unpack_count: int
     recompute_count: int
-    frees_memory: bool = True  # False when dropping it freed nothing (an input, a parameter, a view of one)
+    # False when dropping it freed nothing (an input, a parameter, a view of one)
+    frees_memory: bool = True
 
 
 class _Peek:

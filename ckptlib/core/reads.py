@@ -89,7 +89,8 @@ __all__ = ["OutsideReads", "StateUpdatedTwiceWarning"]
 
 
 class StateUpdatedTwiceWarning(UserWarning):
-    """A checkpoint's rerun updated module state (BatchNorm running statistics) its forward had updated."""
+    """A checkpoint's rerun updated module state (BatchNorm running statistics) its forward had
+    updated."""
 
 
 def _roots(fn: Callable[..., Any], through_globals: bool = False) -> list[tuple[str, Any]]:
@@ -132,7 +133,8 @@ def _roots(fn: Callable[..., Any], through_globals: bool = False) -> list[tuple[
                 except ValueError:      # a cell not filled yet
                     pass
             defaults = obj.__defaults__ or ()
-            names = obj.__code__.co_varnames[obj.__code__.co_argcount - len(defaults):obj.__code__.co_argcount]
+            names = obj.__code__.co_varnames[
+                obj.__code__.co_argcount - len(defaults):obj.__code__.co_argcount]
             for name, default in zip(names, defaults):
                 visit(name, default, depth + 1)
             for name, default in (obj.__kwdefaults__ or {}).items():
@@ -169,7 +171,8 @@ def _add_tensors(obj: Any, found: list[torch.Tensor], modules_seen: set[int]) ->
     children = attributes.get("_modules")
     if parameters is None or buffers is None or children is None:
         try:
-            found.extend(tensor for tensor in (*obj.parameters(), *obj.buffers()) if tensor is not None)
+            found.extend(tensor for tensor in (*obj.parameters(), *obj.buffers())
+                         if tensor is not None)
         except Exception:     # a module that cannot list its tensors: nothing of it is checked
             pass
         return
@@ -207,10 +210,12 @@ class OutsideReads:
         self._storages: set[int] | None = None   # made on first need by holds_storage
 
     def holds_storage(self, ptr: int) -> bool:
-        """Does a tensor reached from ``fn`` (a parameter, a buffer, a captured tensor) own storage ``ptr``?
+        """Does a tensor reached from ``fn`` (a parameter, a buffer, a captured tensor) own
+        storage ``ptr``?
 
         Asked to tell whether dropping a saved tensor frees memory, so it also follows the global
-        names ``fn``'s code reads (a notebook's ``lambda t: model(t)``), which the version check does not.
+        names ``fn``'s code reads (a notebook's ``lambda t: model(t)``), which the version check
+        does not.
         """
         if self._storages is None:
             reached = [tensor for tensor, _ in self.read] + self.written
@@ -223,7 +228,8 @@ class OutsideReads:
 
 
     def add_saved_leaf(self, leaf: torch.Tensor) -> None:
-        """A leaf (or the base of a view) that an op saved in forward: kept weakly, with its version."""
+        """A leaf (or the base of a view) that an op saved in forward: kept weakly, with its
+        version."""
         self.saved_leaves.append((weakref.ref(leaf), leaf._version))
 
     def after_forward(self) -> None:
@@ -242,10 +248,10 @@ class OutsideReads:
         for position, (ref, version) in enumerate(self.inputs):
             tensor = ref()
             if tensor is not None and tensor._version != version:
-                return (f"input tensor #{position} ({TensorMeta.of(tensor)}) was modified in place after "
-                        f"the checkpointed forward (version {version} -> {tensor._version}); recomputing "
-                        "from it would give wrong activations. Clone the input before modifying it, or "
-                        "modify a copy.")
+                return (f"input tensor #{position} ({TensorMeta.of(tensor)}) was modified in place "
+                        f"after the checkpointed forward (version {version} -> {tensor._version}); "
+                        "recomputing from it would give wrong activations. Clone the input before "
+                        "modifying it, or modify a copy.")
         for ref, version in self.saved_leaves:
             leaf = ref()
             if leaf is not None and leaf._version != version:
@@ -258,39 +264,44 @@ class OutsideReads:
 
     def modified_message(self, tensor: torch.Tensor, version: int) -> str:
         return (f"{self.name_of(tensor)} was modified in place between the forward pass and this "
-                f"recomputation (version {version} -> {tensor._version}), and the recomputation reads it. "
-                "The rerun would compute with the new values, not the ones the forward used, and give wrong "
-                "gradients (plain autograd raises here too when it saved the tensor). Usual cause: an "
-                "optimizer step, or another in-place update, before backward: call backward first, then "
-                "step; or clone the tensor before changing it.")
+                f"recomputation (version {version} -> {tensor._version}), and the recomputation "
+                "reads it. The rerun would compute with the new values, not the ones the forward "
+                "used, and give wrong gradients (plain autograd raises here too when it saved the "
+                "tensor). Usual cause: an optimizer step, or another in-place update, before "
+                "backward: call backward first, then step; or clone the tensor before changing it.")
 
     def name_of(self, tensor: torch.Tensor) -> str:
-        """``parameter `Block.fc1.weight` (8x8 float32 ...)`` where a root leads to it, else its metadata."""
+        """``parameter `Block.fc1.weight` (8x8 float32 ...)`` where a root leads to it, else its
+        metadata."""
         meta = TensorMeta.of(tensor)
         for label, obj in self.roots:
             if obj is tensor:
                 return f"captured tensor `{label}` ({meta})"
             if isinstance(obj, nn.Module):
-                for kind, named in (("parameter", obj.named_parameters), ("buffer", obj.named_buffers)):
+                for kind, named in (("parameter", obj.named_parameters),
+                                    ("buffer", obj.named_buffers)):
                     try:
                         for name, candidate in named(remove_duplicate=False):
                             if candidate is tensor:
                                 return f"{kind} `{label}.{name}` ({meta})"
-                    except Exception:   # a module that cannot name its tensors: described by metadata
+                    except Exception:   # the module cannot name its tensors: described by metadata
                         pass
         kind = "a parameter" if tensor.requires_grad else "a constant"
-        return f"a tensor the region reads ({meta}, a leaf that {'requires' if tensor.requires_grad else 'does not require'} grad: {kind})"
+        return (f"a tensor the region reads ({meta}, a leaf that "
+                f"{'requires' if tensor.requires_grad else 'does not require'} grad: {kind})")
 
     def rebaseline(self, keep: set[int] = frozenset()) -> None:
         """After a rerun: what it wrote is the next rerun's starting point. Tensors in ``keep`` (ids
         of tensors changed since the forward: the next rerun must still not read them) keep the
         forward's version."""
         if keep:
-            self.read = [(tensor, version if id(tensor) in keep else tensor._version) for tensor, version in self.read]
+            self.read = [(tensor, version if id(tensor) in keep else tensor._version)
+                         for tensor, version in self.read]
         else:
             self.read = [(tensor, tensor._version) for tensor, _ in self.read]
         leaves = [ref() for ref, _ in self.saved_leaves]
-        self.saved_leaves = [(weakref.ref(leaf), leaf._version) for leaf in leaves if leaf is not None]
+        self.saved_leaves = [(weakref.ref(leaf), leaf._version)
+                             for leaf in leaves if leaf is not None]
 
     def around_rerun(self, region: str) -> "_StateWatch":
         return _StateWatch(self, region)
@@ -307,7 +318,7 @@ class OutsideReads:
                             if buffer is tensor:
                                 where = f"{label}.{path}" if path else label
                                 return module, f"{type(module).__name__} `{where}` (buffer {name})"
-                except Exception:   # a module that cannot list its submodules: described by metadata
+                except Exception:   # the module cannot list its submodules: described by metadata
                     pass
         return tensor, f"a tensor ({TensorMeta.of(tensor)})"
 
@@ -322,11 +333,13 @@ class _StaleReads(TorchDispatchMode):
     ran after this region), so a rerun without one runs with no per-op Python code. A tensor is
     matched by identity or by its storage (a view of it made before the forward)."""
 
-    def __init__(self, reads: OutsideReads, region: str, stale: list[tuple[torch.Tensor, int]]) -> None:
+    def __init__(self, reads: OutsideReads, region: str,
+                 stale: list[tuple[torch.Tensor, int]]) -> None:
         super().__init__()
         self.reads, self.region = reads, region
         self.by_id = {id(tensor): (tensor, version) for tensor, version in stale}
-        self.by_storage = {ptr: (tensor, version) for tensor, version in stale if (ptr := storage_ptr(tensor))}
+        self.by_storage = {ptr: (tensor, version) for tensor, version in stale
+                           if (ptr := storage_ptr(tensor))}
         self.message: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -335,7 +348,8 @@ class _StaleReads(TorchDispatchMode):
                 if isinstance(arg, torch.Tensor):
                     hit = self.by_id.get(id(arg)) or self.by_storage.get(storage_ptr(arg))
                     if hit is not None:
-                        self.message = f"checkpoint {self.region}: {self.reads.modified_message(*hit)}"
+                        self.message = (f"checkpoint {self.region}: "
+                                        f"{self.reads.modified_message(*hit)}")
                         raise CheckpointError(self.message)
         return func(*args, **(kwargs or {}))
 
@@ -372,11 +386,12 @@ class _StateWatch:
                 continue
             _warned.add(owner)
             warnings.warn(
-                f"checkpoint {self.region}: the recomputation updated {description} again after the "
-                "forward pass had updated it: a checkpointed region runs twice, so its in-place state "
-                "updates happen twice (BatchNorm's running statistics move twice per step; "
-                "torch.utils.checkpoint does the same). Fixes: checkpoint the layers around the module "
-                "instead of it, put it in eval mode, or put its state back during the recomputation "
-                "(a context_fn that restores the buffers, or a forward pre-hook that sets momentum to 0 "
-                "while ckptlib.is_recomputing(), as in notebook 04). Warned once per module.",
+                f"checkpoint {self.region}: the recomputation updated {description} again after "
+                "the forward pass had updated it: a checkpointed region runs twice, so its "
+                "in-place state updates happen twice (BatchNorm's running statistics move twice "
+                "per step; torch.utils.checkpoint does the same). Fixes: checkpoint the layers "
+                "around the module instead of it, put it in eval mode, or put its state back "
+                "during the recomputation (a context_fn that restores the buffers, or a forward "
+                "pre-hook that sets momentum to 0 while ckptlib.is_recomputing(), as in "
+                "notebook 04). Warned once per module.",
                 StateUpdatedTwiceWarning, stacklevel=caller_stacklevel())

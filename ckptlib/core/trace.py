@@ -96,12 +96,13 @@ class TraceEvent:
         if kind == "pack":
             if not self.frees_memory:
                 return _FREES_NOTHING
-            return "dropped (same storage as an earlier saved tensor: counted once)" if self.shared else "dropped"
+            return ("dropped (same storage as an earlier saved tensor: counted once)"
+                    if self.shared else "dropped")
         if kind == "forward_done":
             kept = (f" ({self.kept_bytes} more are the region's output, alive while it is)"
                     if self.kept_bytes else "")
-            return (f"{self.total} saved tensors dropped, {self.nbytes} bytes of activations freed{kept}; "
-                    "kept the inputs, RNG and autocast state")
+            return (f"{self.total} saved tensors dropped, {self.nbytes} bytes of activations "
+                    f"freed{kept}; kept the inputs, RNG and autocast state")
         if kind == "recompute":
             if self.again:
                 return "the recompute context asked to run again"
@@ -142,8 +143,8 @@ class CheckpointTrace:
     def count(self, kind: str) -> int:
         """How many events of ``kind`` (one of ``EVENT_KINDS``) were recorded."""
         if kind not in EVENT_KINDS:
-            raise ValueError(f"CheckpointTrace.count: kind must be one of {', '.join(EVENT_KINDS)}; "
-                             f"got {kind!r}.")
+            raise ValueError("CheckpointTrace.count: kind must be one of "
+                             f"{', '.join(EVENT_KINDS)}; got {kind!r}.")
         return sum(event.kind == kind for event in self.events)
 
     def __len__(self) -> int:
@@ -160,7 +161,8 @@ class CheckpointTrace:
 _active_traces: list[CheckpointTrace] = []
 
 
-def record_trace(on_event: Callable[[TraceEvent], None] | None = None) -> ContextManager[CheckpointTrace]:
+def record_trace(
+        on_event: Callable[[TraceEvent], None] | None = None) -> ContextManager[CheckpointTrace]:
     """Record what every checkpoint does inside the block (and in backward passes run in it).
 
     Args:
@@ -172,8 +174,9 @@ def record_trace(on_event: Callable[[TraceEvent], None] | None = None) -> Contex
     >>> x = torch.randn(3, requires_grad=True)
     >>> with record_trace() as trace:
     ...     ckptlib.checkpoint(torch.sin, x).sum().backward()
-    >>> print(trace.events[0])  # doctest: +ELLIPSIS
-    [sin@...] pack #0 sin 3 float32 on cpu (12 bytes) dropped, but it is an input, a parameter or a view of one: frees nothing
+    >>> print(trace.events[0])  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
+    [sin@...] pack #0 sin 3 float32 on cpu (12 bytes) dropped, but it is an input, a parameter
+    or a view of one: frees nothing
     >>> kinds = []
     >>> with record_trace(on_event=lambda event: kinds.append(event.kind)):
     ...     y = ckptlib.checkpoint(torch.sin, x)
@@ -231,7 +234,8 @@ class Tracer:
         self.echo = echo               # checkpoint(debug=True): print each event too
         self.op_names: OpNames | None = None
         self.freed_bytes = 0
-        # storage pointer -> (its storage, weakly; bytes counted as freed): saved twice, counted once
+        # storage pointer -> (its storage, weakly; bytes counted as freed):
+        # saved twice, counted once
         self.counted: dict[int, tuple[StorageWeakRef, int]] = {}
 
     def emit(self, event: TraceEvent) -> None:
@@ -261,12 +265,12 @@ class Tracer:
         counted = filter(None, (self.counted.get(ptr) for ptr in returned if ptr))
         kept = sum(nbytes for storage, nbytes in counted if not storage.expired())
         self.freed_bytes, self.counted = self.freed_bytes - kept, {}
-        self.emit(TraceEvent("forward_done", frame.region, total=len(frame.keys), nbytes=self.freed_bytes,
-                             kept_bytes=kept))
+        self.emit(TraceEvent("forward_done", frame.region, total=len(frame.keys),
+                             nbytes=self.freed_bytes, kept_bytes=kept))
 
     def on_recompute(self, frame: Any, trigger: int, needed: int, again: bool) -> None:
-        self.emit(TraceEvent("recompute", frame.region, trigger, needed=needed, total=len(frame.keys),
-                             again=again))
+        self.emit(TraceEvent("recompute", frame.region, trigger, needed=needed,
+                             total=len(frame.keys), again=again))
 
     def on_early_stop(self, frame: Any, index: int) -> None:
         self.emit(TraceEvent("early_stop", frame.region, index, total=len(frame.keys)))
