@@ -68,6 +68,8 @@ _NOTHING = contextlib.nullcontext()       # stateless: one for every call
 _NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 _make_saved_tensor = getattr(torch._C._autograd, "_make_saved_tensor", None)   # None on older torch
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+_NO_CONTEXTS = (_NOTHING, _NOTHING)   # no context_fn: stateless, shared
+_DETERMINISM_CHECKS = ("default", "none")
 _USED = object()   # a holder's entry once its tensor was handed to backward
 
 
@@ -116,7 +118,7 @@ class Frame:
         self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self.saved_inputs: Callable[[], list[torch.Tensor]] | None = save_inputs(inputs)
         self.input_ptrs = storage_ptrs(inputs)
-        self.rng = rng.capture(inputs, rng.generators_reachable(
+        self.rng = rng.capture_devices(rng.cuda_devices_of(inputs), rng.generators_reachable(
             fn, self.leaves if self.spec is not None else ())) if preserve_rng_state else None
         self.rng_after: rng.RNGState | None = None
         self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
@@ -291,7 +293,8 @@ class Frame:
         replays: list[rng.replay] = []
         try:
             with torch.autograd.graph.saved_tensors_hooks(fill, _identity), \
-                    _together([hook(self) for hook in self.around_rerun]):
+                    _together([hook(self) for hook in self.around_rerun]) if self.around_rerun \
+                    else _NOTHING:
                 self._run_again(rerun_input_ptrs, replays)
         except StopRecomputation:
             pass
@@ -510,20 +513,26 @@ def checkpoint(
             fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop, debug=debug,
             context_fn=context_fn, use_reentrant=use_reentrant, determinism_check=determinism_check,
             **kwargs)
-    check_checkpoint_arguments(fn, {"preserve_rng_state": preserve_rng_state,
-                                    "early_stop": early_stop, "debug": debug},
-                               context_fn, use_reentrant, determinism_check)
+    if not (type(preserve_rng_state) is bool and type(early_stop) is bool and type(debug) is bool
+            and context_fn is None and (use_reentrant is None or use_reentrant is False)
+            and type(determinism_check) is str and determinism_check in _DETERMINISM_CHECKS
+            and callable(fn)):   # not the common case: check all, each with its own message
+        check_checkpoint_arguments(fn, {"preserve_rng_state": preserve_rng_state,
+                                        "early_stop": early_stop, "debug": debug},
+                                   context_fn, use_reentrant, determinism_check)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    frame = Frame(fn, args, kwargs, preserve_rng_state, torch_early_stop(early_stop),
-                  checkpoint_contexts(context_fn), debug, check_keys=determinism_check == "default")
+    contexts = checkpoint_contexts(context_fn) if context_fn is not None else _NO_CONTEXTS
+    frame = Frame(fn, args, kwargs, preserve_rng_state, torch_early_stop(early_stop), contexts,
+                  debug, check_keys=determinism_check == "default")
     foreign_draws = rng.ForeignDraws.first_time(fn) if preserve_rng_state else None
     cuda_was_up = torch.cuda.is_initialized()
     returned = False
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), \
             frame.forward_context, \
             rng.in_use(frame.rng) if preserve_rng_state else _NOTHING as rng_use, \
-            _together([hook() for hook in frame.around_forward]):
+            _together([hook() for hook in frame.around_forward]) if frame.around_forward \
+            else _NOTHING:
         try:
             output = fn(*args, **kwargs)
             returned = True
