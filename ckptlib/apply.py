@@ -51,6 +51,8 @@ from ckptlib.core.errors import CheckpointError
 from ckptlib.core.checkpoint import checkpoint
 from ckptlib.core.compile import run_eagerly_under_dynamo
 from ckptlib.offload import offload_saved_tensors
+from ckptlib.schedules import Plan
+from ckptlib.sequential import checkpoint_sequential
 
 __all__ = ["apply_checkpointing", "remove_checkpointing", "Checkpointed", "repeated_layers"]
 
@@ -75,7 +77,9 @@ def apply_checkpointing(
             longest ``ModuleList``/``Sequential`` of one class), a module class or tuple of
             classes, a path pattern or list of patterns (``"transformer.h.*"``), a
             predicate ``(path, module) -> bool``, or a plan from :func:`plan_checkpointing`.
-        how: ``"full"`` (``ckptlib.checkpoint``), ``"offload"`` (keep saved tensors in
+        how: ``"full"`` (``ckptlib.checkpoint``), a ``Plan`` over the selected layers (its
+            layer i is the i-th selected module; a segment of several layers needs them to be
+            the children of an ``nn.Sequential``), ``"offload"`` (keep saved tensors in
             CPU memory, ``offload_saved_tensors``), or a selective policy
             (``ckptlib.save_matmuls``, ``ckptlib.megatron_attention``, ...).
         every_n: checkpoint every n-th selected module, the first included.
@@ -105,13 +109,12 @@ def apply_checkpointing(
     _check_how(how)
     integer(every_n, "every_n", least=1, where="apply_checkpointing")
     chosen = selected_modules(model, select)[::every_n]
+    if isinstance(how, Plan):
+        return _apply_plan(model, chosen, how, every_n, preserve_rng_state)
     handle = Checkpointed(model, how)
     for path, module in chosen:
         _refuse_double_checkpointing(path, module)
-        if _wrapper_of(module) is not None:
-            raise ValueError(f"apply_checkpointing: {path or type(model).__name__} is already "
-                             "checkpointed by ckptlib; call ckptlib.remove_checkpointing(model) "
-                             "before applying again.")
+        _refuse_wrapped(path, module, model)
     for path, module in chosen:
         _wrap(module, path, how, plans, preserve_rng_state, handle)
     return handle
@@ -169,8 +172,12 @@ class Checkpointed:
         return len(self.paths)
 
     def __str__(self) -> str:
-        how = (self.how if isinstance(self.how, str)
-               else f"selective {getattr(self.how, '__name__', 'policy')}")
+        if isinstance(self.how, str):
+            how = self.how
+        elif isinstance(self.how, Plan):
+            how = f"plan {self.how.name}"
+        else:
+            how = f"selective {getattr(self.how, '__name__', 'policy')}"
         return f"checkpointed ({how}): " + (", ".join(self.paths) or "nothing")
 
     __repr__ = __str__
@@ -254,6 +261,8 @@ def _outermost(found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]
 
 
 def _check_how(how: Any) -> None:
+    if isinstance(how, Plan):
+        return
     if isinstance(how, str):
         if how not in HOWS:
             raise ValueError(f"apply_checkpointing: how={how!r} is not known; use 'full', "
@@ -265,6 +274,59 @@ def _check_how(how: Any) -> None:
     except (TypeError, ValueError) as error:
         raise TypeError("apply_checkpointing: how must be 'full', 'offload' or a selective "
                         f"policy: {error}") from None
+
+
+def _apply_plan(model: nn.Module, chosen: list[tuple[str, nn.Module]], plan: Plan, every_n: int,
+                preserve_rng_state: bool) -> "Checkpointed":
+    """``how=plan``: the selected layers, in order, are the plan's layers 0 .. n-1.
+
+    A plan whose segments hold one layer each (``uniform(n, n)``, or some layers kept) becomes one
+    checkpoint per segment's layer, called by the model's own loop with its own arguments. A
+    segment of several layers needs one call for all of them: the module that holds them must be
+    an ``nn.Sequential`` (its forward then runs ``checkpoint_sequential(layers, plan, x)``); in a
+    ``ModuleList`` the model's loop calls each layer itself, so such a plan is refused.
+    """
+    where = "apply_checkpointing(how=plan)"
+    if every_n != 1:
+        raise ValueError(f"{where}: every_n={every_n} and a plan both say which layers to "
+                         "checkpoint; give one (the plan's segments choose the layers).")
+    if len(chosen) != plan.n:
+        raise ValueError(f"{where}: the plan is for {plan.n} layers and select chose "
+                         f"{len(chosen)} ({', '.join(p for p, _ in chosen[:4])}, ...); make a plan "
+                         f"for {len(chosen)} layers, e.g. ckptlib.sqrt_n({len(chosen)}).")
+    handle = Checkpointed(model, plan)
+    single = all(isinstance(step, int) or step.stop - step.start == 1 for step in plan.body)
+    if single:
+        checkpointed = {step.start for step in plan.body if not isinstance(step, int)}
+        layers = [(path, module) for i, (path, module) in enumerate(chosen) if i in checkpointed]
+        for path, module in layers:
+            _refuse_double_checkpointing(path, module)
+            _refuse_wrapped(path, module, model)
+        for path, module in layers:
+            _wrap(module, path, "full", None, preserve_rng_state, handle)
+        return handle
+    parent_path = chosen[0][0].rpartition(".")[0]
+    parent = model.get_submodule(parent_path) if parent_path else model
+    if not (isinstance(parent, nn.Sequential) and [m for _, m in chosen] == list(parent)):
+        raise ValueError(
+            f"{where}: the plan ({plan.name}) has segments of several layers, which run as one "
+            f"checkpoint; {parent_path or type(model).__name__} is a {type(parent).__name__}, "
+            "whose layers the model's own loop calls one by one (with their own arguments), so "
+            "no single call spans a segment. Use a plan of one-layer segments here "
+            f"(ckptlib.uniform({plan.n}, {plan.n}): every layer but the last; or how='full' for "
+            "every layer), or call ckptlib.checkpoint_sequential(layers, plan, x, "
+            "layer_kwargs=...) in the model's forward.")
+    _refuse_double_checkpointing(parent_path, parent)
+    _refuse_wrapped(parent_path, parent, model)
+    _wrap(parent, parent_path, plan, None, preserve_rng_state, handle)
+    return handle
+
+
+def _refuse_wrapped(path: str, module: nn.Module, model: nn.Module) -> None:
+    if _wrapper_of(module) is not None:
+        raise ValueError(f"apply_checkpointing: {path or type(model).__name__} is already "
+                         "checkpointed by ckptlib; call ckptlib.remove_checkpointing(model) "
+                         "before applying again.")
 
 
 def _refuse_double_checkpointing(path: str, module: nn.Module) -> None:
@@ -316,6 +378,13 @@ class _Wrapper:
         return getattr(module, "gradient_checkpointing", False) is True and module.training
 
     def run(self, args: tuple, kwargs: dict) -> Any:
+        if isinstance(self.how, Plan):   # an nn.Sequential run under the plan
+            if kwargs or len(args) != 1:
+                raise TypeError(f"apply_checkpointing(how=plan): {self.path} is an nn.Sequential "
+                                "run under a plan; it takes one input, got "
+                                f"{len(args)} arguments and {sorted(kwargs)} keywords.")
+            return checkpoint_sequential(list(self.module()), self.how, args[0],
+                                         preserve_rng_state=self.preserve_rng_state)
         if self.how == "full":
             return checkpoint(self.region, args, kwargs, preserve_rng_state=self.preserve_rng_state)
         if self.how == "offload":
