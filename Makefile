@@ -7,7 +7,7 @@ NOTEBOOK ?= notebooks/00_welcome_and_setup.ipynb
 # JupyterLab refuses to run as root without this flag (containers, CI).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: setup lab test test-lib test-notebooks figures bench clean check-python slides site gpu-wheels gpu-check
+.PHONY: setup lint lab test test-lib test-notebooks figures bench clean check-python slides site gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -29,8 +29,12 @@ lab: setup
 	@command -v dot >/dev/null || echo "note: Graphviz 'dot' not found; graphs render with the bundled WebAssembly Graphviz instead."
 	$(BIN)/jupyter lab $(ROOT_FLAG) --notebook-dir=. $(LAB_ARGS) $(NOTEBOOK)
 
-test: setup
+# The linter first (ruff: line length 100, pyflakes); the layering check is tests/test_layers.py.
+test: setup lint
 	$(BIN)/python -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env
+
+lint: setup
+	$(BIN)/ruff check .
 
 test-lib: setup
 	$(BIN)/python -m pytest tests
