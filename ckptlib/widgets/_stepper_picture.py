@@ -26,6 +26,7 @@ part of the graph is in view.
 
 Colours are those of :mod:`ckptlib.palette`, the same in every picture of the course.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,16 +55,19 @@ _PALE_TEXT, _PALE_LINE, _PALE_FILL = "#B4B4B4", "#D6D6D6", "#F7F7F7"
 # NARROW_BELOW_PX of notebook width; each as tall as WINDOW_ASPECT of its width.
 NARROW_WINDOW_PT, NARROW_BELOW_PX, WINDOW_ASPECT = 500.0, 760, 0.5
 _GROUP = re.compile(r'<g id="[^"]*" class="(node|edge)">\n<title>([^<]*)</title>\n(.*?)</g>', re.S)
-_TRANSLATE = re.compile(r'<g id="graph0" class="graph" transform="scale\(1 1\) rotate\(0\) translate\(([-\d.]+) ([-\d.]+)\)"')
+_TRANSLATE = re.compile(
+    r'<g id="graph0" class="graph" transform="scale\(1 1\) rotate\(0\) '
+    r'translate\(([-\d.]+) ([-\d.]+)\)"'
+)
 _NUMBERS = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 @dataclass
 class _Element:
-    kind: str        # "node" or "edge"
-    name: str        # the node id, or "src->dst"
-    body: str        # the SVG inside the group
-    box: tuple[float, float, float, float] | None = None   # x0, y0, x1, y1 in viewBox units
+    kind: str  # "node" or "edge"
+    name: str  # the node id, or "src->dst"
+    body: str  # the SVG inside the group
+    box: tuple[float, float, float, float] | None = None  # x0, y0, x1, y1 in viewBox units
 
 
 class StepPicture:
@@ -77,21 +81,31 @@ class StepPicture:
         collapse: ``None`` or ``"module"`` (one box per submodule), as :func:`ckptlib.graph.to_dot`.
     """
 
-    def __init__(self, graph: AutogradGraph, slot_of_label: dict[str, Any], region_of_raw: dict[str, str],
-                 sequence_of_node: dict[str, int], collapse: str | None = None) -> None:
+    def __init__(
+        self,
+        graph: AutogradGraph,
+        slot_of_label: dict[str, Any],
+        region_of_raw: dict[str, str],
+        sequence_of_node: dict[str, int],
+        collapse: str | None = None,
+    ) -> None:
         self.labels = list(slot_of_label)
         self.graph = _with_every_tensor(graph, slot_of_label, region_of_raw)
         dot = to_dot(self.graph, collapse=collapse, legend=False)
-        dot.graph_attr.update(ranksep="0.2", nodesep="0.15")   # compact: more of the graph beside the controls
+        dot.graph_attr.update(
+            ranksep="0.2", nodesep="0.15"
+        )  # compact: more of the graph beside the controls
         svg = render_svg(dot)
-        self._parse(svg[svg.index("<svg"):])
+        self._parse(svg[svg.index("<svg") :])
         self.leaves = {node.id for node in self.graph.nodes if node.kind == "leaf"}
         self.outputs = {node.id for node in self.graph.nodes if node.kind == "output"}
         # What each label is drawn as: a box (its own, a shared one, its module's) or, for a
         # leaf's own memory, the dashed edge from its node to the leaf.
         self.element_of: dict[str, str] = {}
         for label, slot in slot_of_label.items():
-            target = dot.module_boxes.get(slot.node_id) or dot.saved_boxes.get((slot.node_id, slot.name))
+            target = dot.module_boxes.get(slot.node_id) or dot.saved_boxes.get(
+                (slot.node_id, slot.name)
+            )
             if target in self.leaves:
                 self.element_of[label] = f"{slot.node_id}->{target}"
             elif target is not None:
@@ -104,19 +118,26 @@ class StepPicture:
 
     # -- reading the SVG once --------------------------------------------------------
     def _parse(self, svg: str) -> None:
-        width, height = (float(v) for v in re.search(r'viewBox="0\.00 0\.00 ([\d.]+) ([\d.]+)"', svg).groups())
+        width, height = (
+            float(v) for v in re.search(r'viewBox="0\.00 0\.00 ([\d.]+) ([\d.]+)"', svg).groups()
+        )
         self.width, self.height = width, height
         shift = _TRANSLATE.search(svg)
         tx, ty = (float(shift[1]), float(shift[2])) if shift else (0.0, 0.0)
-        self._head = svg[svg.index(">", svg.index("<svg")) + 1:]   # everything after the <svg ...> tag
+        self._head = svg[
+            svg.index(">", svg.index("<svg")) + 1 :
+        ]  # everything after the <svg ...> tag
         self._pieces: list[str | _Element] = []
         position = 0
         self.elements: dict[str, _Element] = {}
         for match in _GROUP.finditer(self._head):
-            self._pieces.append(self._head[position:match.start()])
+            self._pieces.append(self._head[position : match.start()])
             name = html.unescape(match[2])
             element = _Element(match[1], name, match[3])
-            points = [float(v) for v in _NUMBERS.findall(" ".join(re.findall(r'points="([^"]*)"', match[3])[:1]))]
+            points = [
+                float(v)
+                for v in _NUMBERS.findall(" ".join(re.findall(r'points="([^"]*)"', match[3])[:1]))
+            ]
             if element.kind == "node" and points:
                 xs, ys = points[0::2], points[1::2]
                 element.box = (min(xs) + tx, min(ys) + ty, max(xs) + tx, max(ys) + ty)
@@ -127,11 +148,14 @@ class StepPicture:
 
     # -- one event ---------------------------------------------------------------------
     def box_states(self, states: dict[str, str]) -> dict[str, str]:
-        """Drawn element -> the state it shows: the most alive state of the tensors it stands for."""
+        """Drawn element -> the state it shows: the most alive state of the tensors it stands
+        for."""
         shown: dict[str, str] = {}
         for label, element in self.element_of.items():
             state = states.get(label, NOT_YET)
-            if element not in shown or _MOST_ALIVE_FIRST.index(state) < _MOST_ALIVE_FIRST.index(shown[element]):
+            if element not in shown or _MOST_ALIVE_FIRST.index(state) < _MOST_ALIVE_FIRST.index(
+                shown[element]
+            ):
                 shown[element] = state
         return shown
 
@@ -139,14 +163,25 @@ class StepPicture:
         """The graph's nodes forward has made by the time of ``states``."""
         if forward_done:
             return set(self.elements)
-        frontier = max((self.sequence.get(self.node_of_label[label], -1) for label in states
-                        if label in self.node_of_label), default=-1)
+        frontier = max(
+            (
+                self.sequence.get(self.node_of_label[label], -1)
+                for label in states
+                if label in self.node_of_label
+            ),
+            default=-1,
+        )
         made = {node for node, number in self.sequence.items() if number <= frontier} | self.leaves
         made |= {self.module_of[node] for node in made if node in self.module_of}
         return made
 
-    def svg(self, states: dict[str, str], forward_done: bool, current: str | None,
-            window: tuple[float, float, float, float]) -> str:
+    def svg(
+        self,
+        states: dict[str, str],
+        forward_done: bool,
+        current: str | None,
+        window: tuple[float, float, float, float],
+    ) -> str:
         """The SVG at one event: ``window`` is (x, y, width, height) of the graph in view."""
         shown = self.box_states(states)
         made = self.made(states, forward_done)
@@ -158,40 +193,75 @@ class StepPicture:
                 continue
             # The title (a tooltip) names the state too, in words.
             title = piece.name + (f": {shown[piece.name]}" if piece.name in shown else "")
-            parts.append(f'<g class="{piece.kind}"><title>{html.escape(title)}</title>\n'
-                         f"{self._styled(piece, shown, made, highlight)}</g>")
+            parts.append(
+                f'<g class="{piece.kind}"><title>{html.escape(title)}</title>\n'
+                f"{self._styled(piece, shown, made, highlight)}</g>"
+            )
         x, y, w, h = window
-        return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="{x:.1f} {y:.1f} {w:.1f} {h:.1f}" '
-                f'width="{w:.0f}pt" height="{h:.0f}pt" style="width:100%; height:auto; display:block">'
-                + "".join(parts))
+        return (
+            f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="{x:.1f} {y:.1f} {w:.1f} {h:.1f}" '
+            f'width="{w:.0f}pt" height="{h:.0f}pt" style="width:100%; height:auto; display:block">'
+            + "".join(parts)
+        )
 
-    def _styled(self, element: _Element, shown: dict[str, str], made: set[str], highlight: str | None) -> str:
+    def _styled(
+        self, element: _Element, shown: dict[str, str], made: set[str], highlight: str | None
+    ) -> str:
         body = element.body
-        if element.name in shown:   # a saved tensor's box, or the edge that stands for a leaf's memory
+        if (
+            element.name in shown
+        ):  # a saved tensor's box, or the edge that stands for a leaf's memory
             state = shown[element.name]
             fill, line, dash = STATE_STYLES[state]
             width = "2.5" if element.name == highlight else "1.2"
             line = palette.HIGHLIGHT if element.name == highlight else line
             if element.kind == "node":
-                body = _set(body, "polygon", fill=fill, stroke=line, stroke_dasharray=dash, stroke_width=width)
+                body = _set(
+                    body,
+                    "polygon",
+                    fill=fill,
+                    stroke=line,
+                    stroke_dasharray=dash,
+                    stroke_width=width,
+                )
                 return _pale_text(body) if state == NOT_YET else body
-            return _set(body, "path", stroke=line if state != NOT_YET else _PALE_LINE, stroke_width=width)
+            return _set(
+                body, "path", stroke=line if state != NOT_YET else _PALE_LINE, stroke_width=width
+            )
         if element.kind == "node":
-            return body if element.name in made else _pale_text(_set(body, "polygon", fill=_PALE_FILL,
-                                                                       stroke=_PALE_LINE))
+            return (
+                body
+                if element.name in made
+                else _pale_text(_set(body, "polygon", fill=_PALE_FILL, stroke=_PALE_LINE))
+            )
         source, _, target = element.name.partition("->")
-        ends_there = all(end in made or shown.get(end, NOT_YET) != NOT_YET for end in (source, target))
-        return body if ends_there else _set(_set(body, "path", stroke=_PALE_LINE), "polygon", fill=_PALE_LINE,
-                                            stroke=_PALE_LINE)
+        ends_there = all(
+            end in made or shown.get(end, NOT_YET) != NOT_YET for end in (source, target)
+        )
+        return (
+            body
+            if ends_there
+            else _set(
+                _set(body, "path", stroke=_PALE_LINE), "polygon", fill=_PALE_LINE, stroke=_PALE_LINE
+            )
+        )
 
-    def focus(self, label: str | None, states: dict[str, str], forward_done: bool) -> tuple[float, float] | None:
-        """The centre of what an event is about: its tensor's box, else (in forward) the newest node."""
+    def focus(
+        self, label: str | None, states: dict[str, str], forward_done: bool
+    ) -> tuple[float, float] | None:
+        """The centre of what an event is about: its tensor's box, else (in forward) the newest
+        node."""
         element = self.elements.get(self.element_of.get(label, "")) if label else None
-        if element is None and label in self.element_of:   # a leaf edge: look at the node it hangs from
+        if (
+            element is None and label in self.element_of
+        ):  # a leaf edge: look at the node it hangs from
             element = self.elements.get(self.element_of[label].partition("->")[0])
         if element is None and not forward_done:
-            newest = [n for n in self.made(states, False) if n in self.sequence and n in self.elements
-                      and n not in self.leaves]
+            newest = [
+                n
+                for n in self.made(states, False)
+                if n in self.sequence and n in self.elements and n not in self.leaves
+            ]
             if newest:
                 element = self.elements[max(newest, key=self.sequence.__getitem__)]
         if element is None or element.box is None:
@@ -199,8 +269,11 @@ class StepPicture:
         x0, y0, x1, y1 = element.box
         return (x0 + x1) / 2, (y0 + y1) / 2
 
-    def windows(self, focuses: list[tuple[float, float] | None], window_width: float) -> list[tuple]:
-        """One window per event: kept while the event's box stays well inside, else re-centred on it."""
+    def windows(
+        self, focuses: list[tuple[float, float] | None], window_width: float
+    ) -> list[tuple]:
+        """One window per event: kept while the event's box stays well inside, else re-centred
+        on it."""
         w = min(window_width, self.width)
         h = min(self.height, w * WINDOW_ASPECT)
         x, y = (self.width - w) / 2, 0.0
@@ -217,23 +290,33 @@ class StepPicture:
         return out
 
 
-def _with_every_tensor(graph: AutogradGraph, slot_of_label: dict[str, Any], region_of_raw: dict[str, str]
-                       ) -> AutogradGraph:
+def _with_every_tensor(
+    graph: AutogradGraph, slot_of_label: dict[str, Any], region_of_raw: dict[str, str]
+) -> AutogradGraph:
     """The graph with each saved tensor the step packs, named by its label and in one state
     (``kept``: a label without a state word, so every box keeps its size whatever it shows)."""
     label_of = {(slot.node_id, slot.name): label for label, slot in slot_of_label.items()}
     nodes = []
     for node in graph.nodes:
-        saved = tuple(dataclasses.replace(s, status="kept", tensor_name=label_of[node.id, s.name],
-                                          region=region_of_raw.get(s.region, s.region))
-                      for s in node.saved if (node.id, s.name) in label_of)
+        saved = tuple(
+            dataclasses.replace(
+                s,
+                status="kept",
+                tensor_name=label_of[node.id, s.name],
+                region=region_of_raw.get(s.region, s.region),
+            )
+            for s in node.saved
+            if (node.id, s.name) in label_of
+        )
         nodes.append(dataclasses.replace(node, saved=saved))
     return dataclasses.replace(graph, nodes=nodes)
 
 
 def _set(body: str, tag: str, **attributes: str | None) -> str:
-    """``body`` with every ``<tag ...>`` given these attributes (``stroke_width`` -> ``stroke-width``;
+    """``body`` with every ``<tag ...>`` given these attributes (``stroke_width`` ->
+    ``stroke-width``;
     ``None`` removes one)."""
+
     def restyle(match: re.Match) -> str:
         text = match[0]
         for name, value in attributes.items():

@@ -1,4 +1,5 @@
-"""Step through one training step on the autograd graph: each saved tensor packed, dropped, rerun, released.
+"""Step through one training step on the autograd graph: each saved tensor packed, dropped,
+rerun, released.
 
 Design notes
 ============
@@ -19,6 +20,7 @@ keeps to rerun from is not a node of the graph and is counted on a line of its o
 A cursor without redrawing. The timeline is one PNG, drawn once; the cursor and the dot on
 it are HTML laid over the picture at the frame's place, so a step only moves two HTML elements.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,17 +36,26 @@ from ckptlib import palette
 from ckptlib.graph import AutogradGraph
 from ckptlib.graph.raster import svg_to_png
 from ckptlib.memory import format_bytes, unit_for
-from ckptlib.widgets._replay import STATES, StepReplay, describe, make_step
+from ckptlib.widgets._replay import STATES, StepReplay, describe
+from ckptlib.widgets._step import make_step
 from ckptlib.widgets._stepper_picture import (
-    NARROW_BELOW_PX, NARROW_WINDOW_PT, NOT_YET, STATE_STYLES, StepPicture,
+    NARROW_BELOW_PX,
+    NARROW_WINDOW_PT,
+    STATE_STYLES,
+    StepPicture,
 )
 from ckptlib.widgets._view import WidgetView, png_bytes, png_data_uri
 
 __all__ = ["BackwardStepper", "STATES"]
 
 # A saved tensor's state -> the status ckptlib.graph draws it with.
-_GRAPH_STATUS = {"saved": "kept", "dropped": "dropped", "recomputed": "recomputed", "released": "freed"}
-TIMELINE_PX = (340, 185)   # the timeline picture's size on screen (drawn at twice the pixels)
+_GRAPH_STATUS = {
+    "saved": "kept",
+    "dropped": "dropped",
+    "recomputed": "recomputed",
+    "released": "freed",
+}
+TIMELINE_PX = (340, 185)  # the timeline picture's size on screen (drawn at twice the pixels)
 _NUMBERS = itertools.count()
 
 
@@ -60,18 +71,28 @@ class BackwardStepper(WidgetView):
     ``None``. Inputs may be nested (a dict or list of tensors) and need not require grad
     (token ids): the step has a backward as soon as ``fn``'s output requires grad.
 
+    Any other module: ``BackwardStepper(layer, hidden, **kwargs)`` replays
+    ``layer(hidden, **kwargs)`` summed (its ``loss`` where it returns one, else its first
+    tensor), keyword arguments included (an attention mask, Llama's ``position_embeddings``);
+    ``BackwardStepper(hf_model, batch=2)`` a Hugging Face model on ``batch`` rows of 8 token
+    ids, with its own loss. For the step, :func:`ckptlib.apply_checkpointing` checkpoints the
+    module's repeated layers (the module itself when it has none), so the regions are named
+    by module path (``transformer.h.0``); every ``forward`` is given back after each call.
+
     The graph is laid out once, with every saved tensor of the step in it; an event only
     recolours it (``svg(k)``), so nodes stay where they are from the first event to the last.
 
     Args:
-        batch: the demo model's batch size (``example_batch(batch)``).
+        batch: the demo model's batch size (``example_batch(batch)``), or a Hugging Face
+            model's.
         collapse: passed to :func:`ckptlib.graph.to_dot` (``"module"``: one box per
             submodule, for a big model).
         all_ops: a frame for every aten op; by default an op that leaves the live bytes as
             they were (a view, a transpose) gets none. The curve and its peak are the same.
 
     Attributes:
-        frames: one dict per event, in order, with ``"event"`` (``"forward_op"``,
+        frames: one :class:`~ckptlib.widgets._replay.Frame` per event, in order (a read-only
+            mapping: ``frame["text"]`` or ``frame.text``), with ``"event"`` (``"forward_op"``,
             ``"recompute_op"``, ``"backward_op"``, or a ``record_trace`` kind: ``"pack"``,
             ``"forward_done"``, ``"recompute"``, ``"early_stop"``, ``"unpack"``,
             ``"release"``), ``"phase"`` (``"forward"``, ``"recompute"``, ``"backward"``),
@@ -92,9 +113,10 @@ class BackwardStepper(WidgetView):
 
     >>> from ckptlib.models import MLPChain
     >>> stepper = BackwardStepper(MLPChain(depth=2, width=4, checkpointing="block"), batch=2)
-    >>> for frame in stepper.frames[22:26]:
+    >>> for frame in stepper.frames[22:26]:  # doctest: +NORMALIZE_WHITESPACE
     ...     print(frame["event"], frame["live_bytes"], frame["text"])
-    recompute 100 backward needs block 1's tensor #2, which was dropped: block 1 reruns for 3 of 3 saved tensors
+    recompute 100 backward needs block 1's tensor #2, which was dropped: block 1 reruns
+        for 3 of 3 saved tensors
     unpack 100 block 1 rerun: loads its kept input
     pack 100 block 1 rerun: packs tensor #0, 2x4 float32, 32 B
     pack 100 block 1 rerun: packs tensor #1, 4x4 float32, 64 B
@@ -103,68 +125,123 @@ class BackwardStepper(WidgetView):
     >>> stepper.position.value = 24        # the view shows that moment
     """
 
-    def __init__(self, model_or_fn: torch.nn.Module | Callable[..., torch.Tensor], *inputs: Any,
-                 batch: int = 2, collapse: str | None = None, all_ops: bool = False) -> None:
-        replay = StepReplay(make_step(model_or_fn, inputs, batch), all_ops)
-        self.frames, self.tensors, self.peak_bytes = replay.frames, replay.tensors, replay.peak_bytes
+    def __init__(
+        self,
+        model_or_fn: torch.nn.Module | Callable[..., torch.Tensor],
+        *inputs: Any,
+        batch: int = 2,
+        collapse: str | None = None,
+        all_ops: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        replay = StepReplay(make_step(model_or_fn, inputs, batch, kwargs), all_ops)
+        self.frames, self.tensors, self.peak_bytes = (
+            replay.frames,
+            replay.tensors,
+            replay.peak_bytes,
+        )
         self._graph, self._slot_of_label = replay.graph, replay.slot_of_label
-        self._region_of_raw = replay.region_of_raw
-        self.picture = StepPicture(replay.graph, replay.slot_of_label, replay.region_of_raw,
-                                   replay.sequence_of_node, collapse)
-        self._forward_done = list(itertools.accumulate(frame["phase"] != "forward" for frame in self.frames))
-        focuses = [self.picture.focus(f["tensor"], f["states"], done)
-                   for f, done in zip(self.frames, self._forward_done)]
-        self._windows = {"wide": self.picture.windows(focuses, self.picture.width),
-                         "narrow": self.picture.windows(focuses, NARROW_WINDOW_PT)}
+        self._region_of_raw, self._input_region = replay.region_of_raw, replay.input_region
+        self.picture = StepPicture(
+            replay.graph,
+            replay.slot_of_label,
+            replay.region_of_raw,
+            replay.sequence_of_node,
+            collapse,
+        )
+        self._forward_done = list(
+            itertools.accumulate(frame["phase"] != "forward" for frame in self.frames)
+        )
+        focuses = [
+            self.picture.focus(f["tensor"], f["states"], done)
+            for f, done in zip(self.frames, self._forward_done)
+        ]
+        self._windows = {
+            "wide": self.picture.windows(focuses, self.picture.width),
+            "narrow": self.picture.windows(focuses, NARROW_WINDOW_PT),
+        }
         self._css_class = f"ckptlib-stepper-{next(_NUMBERS)}"
         self._timeline_png, self._axes_box, self._y_limits = self._draw_timeline()
 
         last = len(self.frames) - 1
         # No readout: the slider counts from 0 (frames[k]), the caption from 1 ("28/53"); one
         # number on screen, not two that differ by one.
-        self.position = widgets.IntSlider(value=0, min=0, max=last, description="event", readout=False,
-                                          continuous_update=False,
-                                          layout=widgets.Layout(flex="1 1 200px", min_width="120px"))
+        self.position = widgets.IntSlider(
+            value=0,
+            min=0,
+            max=last,
+            description="event",
+            readout=False,
+            continuous_update=False,
+            layout=widgets.Layout(flex="1 1 200px", min_width="120px"),
+        )
         self.play = widgets.Play(value=0, min=0, max=last, interval=700, description="Play")
         widgets.jslink((self.play, "value"), (self.position, "value"))
-        self.prev_button = widgets.Button(description="Prev", icon="step-backward",
-                                          layout=widgets.Layout(width="80px", flex="0 0 auto"))
-        self.next_button = widgets.Button(description="Next", icon="step-forward",
-                                          layout=widgets.Layout(width="80px", flex="0 0 auto"))
+        self.prev_button = widgets.Button(
+            description="Prev",
+            icon="step-backward",
+            layout=widgets.Layout(width="80px", flex="0 0 auto"),
+        )
+        self.next_button = widgets.Button(
+            description="Next",
+            icon="step-forward",
+            layout=widgets.Layout(width="80px", flex="0 0 auto"),
+        )
         self.prev_button.on_click(lambda _button: self._move(-1))
         self.next_button.on_click(lambda _button: self._move(+1))
         self.caption = widgets.HTML(layout=widgets.Layout(min_height="44px"))
         self.graph_view = widgets.HTML(layout=widgets.Layout(width="100%"))
         self.timeline_view = widgets.HTML(layout=widgets.Layout(flex="0 0 auto"))
-        self.states_view = widgets.HTML(layout=widgets.Layout(flex="1 1 260px", margin="0 0 0 12px",
-                                                              min_width="0"))
-        for name, widget in (("stepper-prev", self.prev_button), ("stepper-next", self.next_button),
-                             ("stepper-position", self.position), ("stepper-caption", self.caption),
-                             ("stepper-graph", self.graph_view), ("stepper-timeline", self.timeline_view),
-                             ("stepper-states", self.states_view)):
+        self.states_view = widgets.HTML(
+            layout=widgets.Layout(flex="1 1 260px", margin="0 0 0 12px", min_width="0")
+        )
+        for name, widget in (
+            ("stepper-prev", self.prev_button),
+            ("stepper-next", self.next_button),
+            ("stepper-position", self.position),
+            ("stepper-caption", self.caption),
+            ("stepper-graph", self.graph_view),
+            ("stepper-timeline", self.timeline_view),
+            ("stepper-states", self.states_view),
+        ):
             widget.add_class(f"ckptlib-{name}")  # stable handles for the browser test
         self.position.observe(lambda change: self._show(change["new"]), names="value")
         # Controls, words, counts and the timeline first, then the graph's window: the part that
         # changes sits right under the controls.
-        self.widget = widgets.VBox([
-            widgets.HBox([self.prev_button, self.next_button, self.play, self.position],
-                         layout=widgets.Layout(flex_flow="row wrap", align_items="center")),
-            self.caption,
-            widgets.HBox([self.timeline_view, self.states_view], layout=widgets.Layout(flex_flow="row wrap")),
-            self.graph_view,
-        ], layout=widgets.Layout(max_width="1100px"))
+        self.widget = widgets.VBox(
+            [
+                widgets.HBox(
+                    [self.prev_button, self.next_button, self.play, self.position],
+                    layout=widgets.Layout(flex_flow="row wrap", align_items="center"),
+                ),
+                self.caption,
+                widgets.HBox(
+                    [self.timeline_view, self.states_view],
+                    layout=widgets.Layout(flex_flow="row wrap"),
+                ),
+                self.graph_view,
+            ],
+            layout=widgets.Layout(max_width="1100px"),
+        )
         self._show(0)
 
     def _text(self) -> str:
         frame = self.frames[self.position.value]
-        return (f"BackwardStepper({len(self.frames)} events, peak {format_bytes(self.peak_bytes)}; "
-                f"event {self.position.value + 1}: {frame['text']})")
+        return (
+            f"BackwardStepper({len(self.frames)} events, peak {format_bytes(self.peak_bytes)}; "
+            f"event {self.position.value + 1}: {frame['text']})"
+        )
 
     def _static_png(self) -> bytes:
-        """The whole graph at the current event, as a picture (for front ends without the widget)."""
+        """The whole graph at the current event, as a picture (for front ends without the
+        widget)."""
         frame, picture = self.frames[self.position.value], self.picture
-        svg = picture.svg(frame["states"], self._forward_done[self.position.value], frame["tensor"],
-                          (0.0, 0.0, picture.width, picture.height))
+        svg = picture.svg(
+            frame["states"],
+            self._forward_done[self.position.value],
+            frame["tensor"],
+            (0.0, 0.0, picture.width, picture.height),
+        )
         return svg_to_png(svg, dpi=144)
 
     # -- the view -------------------------------------------------------------------
@@ -173,9 +250,11 @@ class BackwardStepper(WidgetView):
 
     def _show(self, index: int) -> None:
         frame = self.frames[index]
-        self.caption.value = (f"<div style='font-size:14px; line-height:1.4; padding:4px 0; overflow-wrap:anywhere'>"
-                              f"<b>{index + 1}/{len(self.frames)}</b> · {_escape(frame['text'])} · "
-                              f"live {format_bytes(frame['live_bytes'])}</div>")
+        self.caption.value = (
+            f"<div style='font-size:14px; line-height:1.4; padding:4px 0; overflow-wrap:anywhere'>"
+            f"<b>{index + 1}/{len(self.frames)}</b> · {_escape(frame['text'])} · "
+            f"live {format_bytes(frame['live_bytes'])}</div>"
+        )
         self.graph_view.value = self._graph_html(index)
         self.timeline_view.value = self._timeline_html(index)
         self.states_view.value = self._states_html(index)
@@ -188,53 +267,79 @@ class BackwardStepper(WidgetView):
         (what checkpoints keep to rerun from, not drawn) on their own."""
         states = self.frames[index]["states"]
         shown = self.picture.box_states(states)
-        counts = {state: sum(shown[box] == state for box in self.picture.boxes) for state in STATE_STYLES}
+        counts = {
+            state: sum(shown[box] == state for box in self.picture.boxes) for state in STATE_STYLES
+        }
         counts["leaf edges"] = len(self.picture.leaf_edges)
-        counts["inputs kept"] = sum(state == "saved" for label, state in states.items()
-                                    if label not in self.picture.element_of and label.endswith(
-                                        tuple(["input"] + [f"input #{k}" for k in range(10)])))
+        counts["inputs kept"] = sum(
+            state == "saved" for label, state in states.items() if label in self._input_region
+        )
         return counts
 
     def _states_html(self, index: int) -> str:
         frame = self.frames[index]
         counts = self.counts(index)
         chips = "".join(
-            f"<span style='display:inline-flex; align-items:center; margin:2px 12px 2px 0; white-space:nowrap'>"
+            "<span style='display:inline-flex; align-items:center; margin:2px 12px 2px 0; "
+            "white-space:nowrap'>"
             f"{_chip(state)}{state}: <b style='margin-left:4px'>{counts[state]}</b></span>"
-            for state in STATE_STYLES)
-        lines = [f"<div style='font-weight:bold; margin-bottom:2px'>saved tensors in the graph (boxes)</div>"
-                 f"<div style='display:flex; flex-wrap:wrap'>{chips}</div>"]
+            for state in STATE_STYLES
+        )
+        lines = [
+            "<div style='font-weight:bold; margin-bottom:2px'>saved tensors in the graph "
+            "(boxes)</div>"
+            f"<div style='display:flex; flex-wrap:wrap'>{chips}</div>"
+        ]
         notes = []
         if counts["leaf edges"]:
-            notes.append(f"{counts['leaf edges']} more are a leaf's own memory (a parameter, the batch): "
-                         "the dashed edge to that leaf")
+            notes.append(
+                f"{counts['leaf edges']} more are a leaf's own memory (a parameter, the batch): "
+                "the dashed edge to that leaf"
+            )
         if counts["inputs kept"]:
-            notes.append(f"{counts['inputs kept']} checkpoint input(s) kept to rerun from (not a box)")
+            notes.append(
+                f"{counts['inputs kept']} checkpoint input(s) kept to rerun from (not a box)"
+            )
         notes.append("ops forward has not run yet are pale")
         lines.append(f"<div style='color:#555; margin-top:2px'>{'; '.join(notes)}.</div>")
         label = frame["tensor"]
         if label is not None and label in self.tensors:
             info = self.tensors[label]
             where = f" · {info['node']}.{info['attribute']}" if info.get("node") else ""
-            lines.append(f"<div style='margin-top:6px'>this event: <b>{_escape(label)}</b>{_escape(where)} · "
-                         f"{describe(info['shape'], info['dtype'], info['nbytes'])} · now "
-                         f"<b>{frame['states'].get(label, '-')}</b>"
-                         + (" (its box has a thick border)" if label in self.picture.element_of else "")
-                         + "</div>")
-        return ("<div style='font-size:13px; line-height:1.45; overflow-wrap:anywhere'>"
-                + "".join(lines) + "</div>")
+            lines.append(
+                f"<div style='margin-top:6px'>this event: <b>{_escape(label)}</b>"
+                f"{_escape(where)} · "
+                f"{describe(info['shape'], info['dtype'], info['nbytes'])} · now "
+                f"<b>{frame['states'].get(label, '-')}</b>"
+                + (" (its box has a thick border)" if label in self.picture.element_of else "")
+                + "</div>"
+            )
+        return (
+            "<div style='font-size:13px; line-height:1.45; overflow-wrap:anywhere'>"
+            + "".join(lines)
+            + "</div>"
+        )
 
     def graph_at(self, index: int) -> AutogradGraph:
         """The autograd graph with every saved tensor drawn in its state at frame ``index``
         (tensors not packed yet are left out)."""
         states = self.frames[index]["states"]
-        status = {(slot.node_id, slot.name): _GRAPH_STATUS[states[label]]
-                  for label, slot in self._slot_of_label.items() if label in states}
+        status = {
+            (slot.node_id, slot.name): _GRAPH_STATUS[states[label]]
+            for label, slot in self._slot_of_label.items()
+            if label in states
+        }
         nodes = []
         for node in self._graph.nodes:
-            saved = tuple(dataclasses.replace(s, status=status[node.id, s.name],
-                                              region=self._region_of_raw.get(s.region, s.region))
-                          for s in node.saved if (node.id, s.name) in status)
+            saved = tuple(
+                dataclasses.replace(
+                    s,
+                    status=status[node.id, s.name],
+                    region=self._region_of_raw.get(s.region, s.region),
+                )
+                for s in node.saved
+                if (node.id, s.name) in status
+            )
             nodes.append(dataclasses.replace(node, saved=saved) if saved != node.saved else node)
         return dataclasses.replace(self._graph, nodes=nodes)
 
@@ -242,48 +347,83 @@ class BackwardStepper(WidgetView):
         """The graph at frame ``index`` as SVG: laid out once, recoloured for that frame, cut to the
         window the view shows (``"wide"``: the whole width; ``"narrow"``: for a narrow page)."""
         frame = self.frames[index]
-        return self.picture.svg(frame["states"], self._forward_done[index], frame["tensor"],
-                                self._windows[window][index])
+        return self.picture.svg(
+            frame["states"],
+            self._forward_done[index],
+            frame["tensor"],
+            self._windows[window][index],
+        )
 
     def _graph_html(self, index: int) -> str:
         # Two windows, one shown: a container query picks by the notebook's width.
         name = self._css_class
-        style = (f"<style>.{name} {{container-type:inline-size; width:100%}}"
-                 f"@container (max-width:{NARROW_BELOW_PX}px) {{.{name} .wide {{display:none}}}}"
-                 f"@container (min-width:{NARROW_BELOW_PX + 1}px) {{.{name} .narrow {{display:none}}}}</style>")
+        style = (
+            f"<style>.{name} {{container-type:inline-size; width:100%}}"
+            f"@container (max-width:{NARROW_BELOW_PX}px) {{.{name} .wide {{display:none}}}}"
+            f"@container (min-width:{NARROW_BELOW_PX + 1}px) {{.{name} .narrow {{display:none}}}}"
+            "</style>"
+        )
         parts = []
         for kind in ("wide", "narrow"):
             x, y, w, h = self._windows[kind][index]
             full_w, full_h = self.picture.width, self.picture.height
-            bar = (f"<div title='the part of the graph in view' style='flex:0 0 6px; position:relative; "
-                   f"background:#EEEEEE; margin-left:4px'><div style='position:absolute; left:0; right:0; "
-                   f"top:{100 * y / full_h:.1f}%; height:{100 * h / full_h:.1f}%; background:#999999'></div></div>")
-            note = ("" if (w, h) == (full_w, full_h) else
-                    "<div style='font-size:12px; color:#555'>part of the graph: the view follows the event "
-                    "(the grey bar on the right: where it is)</div>")
-            parts.append(f"<div class='{kind}'>{note}<div style='display:flex'><div style='flex:1 1 auto; "
-                         f"min-width:0'>{self.svg(index, kind)}</div>{bar}</div></div>")
+            bar = (
+                "<div title='the part of the graph in view' style='flex:0 0 6px; "
+                "position:relative; background:#EEEEEE; margin-left:4px'><div "
+                "style='position:absolute; left:0; right:0; "
+                f"top:{100 * y / full_h:.1f}%; height:{100 * h / full_h:.1f}%; "
+                "background:#999999'></div></div>"
+            )
+            note = (
+                ""
+                if (w, h) == (full_w, full_h)
+                else "<div style='font-size:12px; color:#555'>part of the graph: the view follows "
+                "the event (the grey bar on the right: where it is)</div>"
+            )
+            parts.append(
+                f"<div class='{kind}'>{note}<div style='display:flex'><div style='flex:1 1 auto; "
+                f"min-width:0'>{self.svg(index, kind)}</div>{bar}</div></div>"
+            )
         return style + f"<div class='{name}'>{''.join(parts)}</div>"
 
-    def _draw_timeline(self) -> tuple[bytes, tuple[float, float, float, float], tuple[float, float]]:
+    def _draw_timeline(
+        self,
+    ) -> tuple[bytes, tuple[float, float, float, float], tuple[float, float]]:
         figure = Figure(figsize=(TIMELINE_PX[0] / 80, TIMELINE_PX[1] / 80), dpi=80)
         axes = figure.add_axes((0.16, 0.36, 0.8, 0.5))
         unit, scale = unit_for(self.peak_bytes)
         live = [frame["live_bytes"] / scale for frame in self.frames]
-        axes.bar(range(len(live)), live, width=1.0, linewidth=0,
-                 color=[palette.PHASES[frame["phase"]] for frame in self.frames])
+        axes.bar(
+            range(len(live)),
+            live,
+            width=1.0,
+            linewidth=0,
+            color=[palette.PHASES[frame["phase"]] for frame in self.frames],
+        )
         axes.set_xlim(-0.5, len(live) - 0.5)
         axes.set_ylim(0, max(live) * 1.2 or 1)
         text = {"fontsize": 10, "family": palette.FONT_FAMILY}
         axes.set_xlabel("event", **text)
         axes.set_ylabel(f"live ({unit})", **text)
-        axes.set_title(f"Live memory per event: peak {format_bytes(self.peak_bytes)}", fontsize=10.5,
-                       family=palette.FONT_FAMILY)
+        axes.set_title(
+            f"Live memory per event: peak {format_bytes(self.peak_bytes)}",
+            fontsize=10.5,
+            family=palette.FONT_FAMILY,
+        )
         axes.tick_params(labelsize=10)
-        phases = [phase for phase in palette.PHASES if phase in {frame["phase"] for frame in self.frames}]
-        figure.legend(handles=[Patch(color=palette.PHASES[phase], label=phase) for phase in phases],
-                      loc="lower center", ncols=3, frameon=False, prop={"size": 10, "family": palette.FONT_FAMILY},
-                      handlelength=1.0, columnspacing=1.0, borderaxespad=0.1)
+        phases = [
+            phase for phase in palette.PHASES if phase in {frame["phase"] for frame in self.frames}
+        ]
+        figure.legend(
+            handles=[Patch(color=palette.PHASES[phase], label=phase) for phase in phases],
+            loc="lower center",
+            ncols=3,
+            frameon=False,
+            prop={"size": 10, "family": palette.FONT_FAMILY},
+            handlelength=1.0,
+            columnspacing=1.0,
+            borderaxespad=0.1,
+        )
         box = axes.get_position()
         return png_bytes(figure, scale=2), (box.x0, box.x1, box.y0, box.y1), axes.get_ylim()
 
@@ -291,21 +431,32 @@ class BackwardStepper(WidgetView):
         x0, x1, y0, y1 = self._axes_box
         left = 100 * (x0 + (index + 0.5) / len(self.frames) * (x1 - x0))
         low, high = self._y_limits
-        dot = y0 + (self.frames[index]["live_bytes"] / unit_for(self.peak_bytes)[1] - low) / (high - low) * (y1 - y0)
-        return (f"<div style='position:relative; width:{TIMELINE_PX[0]}px; height:{TIMELINE_PX[1]}px'>"
-                f"<img src='{png_data_uri(self._timeline_png)}' style='width:{TIMELINE_PX[0]}px; display:block'>"
-                f"<div style='position:absolute; left:{left:.2f}%; top:{100 * (1 - y1):.1f}%; "
-                f"height:{100 * (y1 - y0):.1f}%; border-left:2px solid {palette.HIGHLIGHT}'></div>"
-                f"<div style='position:absolute; left:calc({left:.2f}% - 4px); top:calc({100 * (1 - dot):.1f}% - 4px);"
-                f" width:9px; height:9px; border-radius:50%; background:{palette.HIGHLIGHT}'></div></div>")
+        dot = y0 + (self.frames[index]["live_bytes"] / unit_for(self.peak_bytes)[1] - low) / (
+            high - low
+        ) * (y1 - y0)
+        return (
+            f"<div style='position:relative; width:{TIMELINE_PX[0]}px; height:{TIMELINE_PX[1]}px'>"
+            f"<img src='{png_data_uri(self._timeline_png)}' "
+            f"style='width:{TIMELINE_PX[0]}px; display:block'>"
+            f"<div style='position:absolute; left:{left:.2f}%; top:{100 * (1 - y1):.1f}%; "
+            f"height:{100 * (y1 - y0):.1f}%; border-left:2px solid {palette.HIGHLIGHT}'></div>"
+            f"<div style='position:absolute; left:calc({left:.2f}% - 4px); "
+            f"top:calc({100 * (1 - dot):.1f}% - 4px);"
+            f" width:9px; height:9px; border-radius:50%; background:{palette.HIGHLIGHT}'>"
+            "</div></div>"
+        )
 
 
 def _chip(state: str) -> str:
     """A small sample of how the graph draws a box in ``state``."""
     fill, line, dash = STATE_STYLES[state]
     border = "dashed" if dash and dash.startswith("5") else "dotted" if dash else "solid"
-    return (f"<span style='display:inline-block; width:16px; height:11px; margin-right:5px; background:{fill}; "
-            f"border:1.5px {border} {line}'></span>")
+    return (
+        "<span style='display:inline-block; width:16px; height:11px; margin-right:5px; "
+        f"background:{fill}; "
+        f"border:1.5px {border} {line}'></span>"
+    )
+
 
 
 def _escape(text: str) -> str:
