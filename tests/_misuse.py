@@ -1,4 +1,4 @@
-"""Shared by the tests/test_misuse_<module>.py tables: a misuse must fail clearly and leave nothing behind.
+"""Shared by the tests/<folder>/test_misuse_<module>.py tables: a misuse must fail clearly and leave nothing behind.
 
 Each row of a table is ``Misuse(id, call, error, words)``: calling ``call()`` must raise exactly
 ``error`` (TypeError or ValueError) at once, its message must contain every one of ``words``

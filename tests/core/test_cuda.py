@@ -2,7 +2,7 @@
 
 Skipped without a GPU; ``benchmarks/gpu_check.sh`` runs them (``pytest -k cuda``) on a GPU
 machine. Each test name says ``cuda`` so that selection finds them, with the older CUDA tests
-in test_memory.py, test_models.py and test_offload.py.
+in memory/test_memory.py, models/test_models.py and core/test_offload.py.
 """
 from __future__ import annotations
 

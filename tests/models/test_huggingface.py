@@ -14,12 +14,12 @@ import torch
 import ckptlib
 from ckptlib import CheckpointError, apply_checkpointing, record_trace, remove_checkpointing
 from tests._misuse import assert_nothing_installed
-from tests.test_apply import kept_after_forward
+from tests.models.test_apply import kept_after_forward
 
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
 transformers.logging.set_verbosity_error()   # config notes about random-weight models, not ours to test
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "huggingface.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "huggingface.md"
 VOCAB = 128
 
 
@@ -189,7 +189,7 @@ def test_every_snippet_of_the_hugging_face_page_runs_and_checkpoints_with_ckptli
 
 
 def test_the_readmes_three_lines_run_on_a_hugging_face_model():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("## Use it on your model", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
     model = gpt2()

@@ -25,7 +25,7 @@ from ckptlib.checkpoint import is_recomputing, record_trace
 from ckptlib.graph import autograd_graph, to_dot, torchviz_dot, trace_modules
 from ckptlib.memory import MemoryMeter
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
 def step_peak(model: nn.Module, batch, mode) -> int:

@@ -35,7 +35,7 @@ from ckptlib.models import MLPChain
 
 from tests._notebooks import cell_source, run_cell
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NB02 = NOTEBOOKS / "02_saved_tensors_hooks.ipynb"
 NB02_SOLUTIONS = NOTEBOOKS / "solutions" / "02_saved_tensors_hooks_solutions.ipynb"
 NB03 = NOTEBOOKS / "03_building_checkpoint.ipynb"

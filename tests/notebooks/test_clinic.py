@@ -19,7 +19,7 @@ from tests._notebooks import run_cell
 
 pytestmark = pytest.mark.slow   # the whole notebook, two DDP runs in fresh processes, torch.compile
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 LEARNER = NOTEBOOKS / "10_clinic.ipynb"
 SOLUTIONS = NOTEBOOKS / "solutions" / "10_clinic_solutions.ipynb"
 

@@ -15,7 +15,7 @@ import pytest
 from ckptlib.checkpoint import is_recomputing
 from tests._notebooks import cell_source, run_cell
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NB04 = NOTEBOOKS / "04_rng_and_state.ipynb"
 NB04_SOLUTIONS = NOTEBOOKS / "solutions" / "04_rng_and_state_solutions.ipynb"
 

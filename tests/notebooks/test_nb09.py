@@ -14,7 +14,7 @@ import pytest
 
 from tests._notebooks import cell_source as _cell_source, run_cell
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NB09 = ROOT / "notebooks" / "09_your_own_model.ipynb"
 NB09_SOLUTIONS = ROOT / "notebooks" / "solutions" / "09_your_own_model_solutions.ipynb"
 MiB = 2**20

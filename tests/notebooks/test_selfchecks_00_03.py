@@ -19,7 +19,7 @@ import pytest
 
 from tests._notebooks import run_cell as run
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NAMES = {"00": "00_welcome_and_setup", "01": "01_autograd_graphs", "02": "02_saved_tensors_hooks",
          "03": "03_building_checkpoint"}
 

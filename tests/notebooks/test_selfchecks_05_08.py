@@ -19,7 +19,7 @@ import torch
 
 from tests._notebooks import cell_source, run_cell   # a cell by grade id; exec it
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 NB06 = NOTEBOOKS / "06_transformer_in_practice.ipynb"
 NB07 = NOTEBOOKS / "07_beyond.ipynb"
 

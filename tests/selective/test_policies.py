@@ -23,7 +23,7 @@ from ckptlib.selective import (
     policy_from_costs, save_matmuls, selective_checkpoint, selective_contexts,
 )
 
-from tests.test_checkpoint import UNARY, assert_bitwise, grads_of, saved_hooks_installed
+from tests.core.test_checkpoint import UNARY, assert_bitwise, grads_of, saved_hooks_installed
 
 aten = torch.ops.aten
 

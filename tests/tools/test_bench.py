@@ -297,7 +297,7 @@ def test_keep_freed_memory_sets_glibc_in_its_own_process():
 
 # -- figures: redrawn from a saved run, nothing clipped ---------------------------------
 
-COMMITTED = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "cpu.json"
+COMMITTED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cpu.json"
 
 
 def committed_run() -> BenchRun:

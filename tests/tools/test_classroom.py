@@ -15,7 +15,7 @@ import jsonschema
 import nbformat
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 import classroom  # noqa: E402  (tools/, put on sys.path by tests/conftest.py)
 
 NOTEBOOKS = classroom.notebooks()

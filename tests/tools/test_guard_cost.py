@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "guard_cost.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "guard_cost.py"
 
 
 @pytest.fixture(scope="module")

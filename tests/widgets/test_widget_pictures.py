@@ -13,7 +13,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 NOTEBOOKS = sorted((ROOT / "notebooks").rglob("*.ipynb"))
 
