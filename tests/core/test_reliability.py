@@ -73,7 +73,7 @@ def test_compiled_program_with_a_checkpoint_gives_plain_gradients(backend, quiet
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_checkpoint_as_the_whole_compiled_program_is_bitwise(backend, quiet_dynamo):
-    # The example.
+    # The smallest case: the compiled program is one checkpointed function and nothing else.
     x = torch.randn(4, 4, requires_grad=True)
     region = lambda u: u.exp().sin().tanh()  # noqa: E731
     compiled = torch.compile(lambda t: checkpoint(region, t), backend=backend)
