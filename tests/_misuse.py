@@ -1,13 +1,19 @@
 """Shared by the tests/<folder>/test_misuse_<module>.py tables: a misuse must fail clearly and leave nothing behind.
 
 Each row of a table is ``Misuse(id, call, error, words)``: calling ``call()`` must raise exactly
-``error`` (TypeError or ValueError) at once, its message must contain every one of ``words``
-(the argument's name, what it accepts, what was given), and afterwards the process must be as
-it was: no dispatch or torch-function mode left on the stack, no saved-tensor hooks, no global
+``error`` (TypeError or ValueError, KeyError for a lookup) at once, its message must contain
+every one of ``words`` (the argument's name, what it accepts, what was given; a word given as a
+compiled ``re`` pattern must be found by ``pattern.search``), and afterwards the process must be
+as it was: no dispatch or torch-function mode left on the stack, no saved-tensor hooks, no global
 module hooks, no open ckptlib trace, the global RNG untouched.
+
+A table is a list of rows named ``TABLE`` (or one list per function family), parametrized with
+``@pytest.mark.parametrize("row", rows(TABLE))`` and checked with ``assert_refused(row)``; what a
+file checks beyond that (the function never ran, a model kept its state) follows in the test.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, NamedTuple
 
 import pytest
@@ -25,7 +31,7 @@ class Misuse(NamedTuple):
     id: str
     call: Callable[[], Any]
     error: type[Exception]
-    words: tuple[str, ...]
+    words: tuple[str | re.Pattern[str], ...]
 
 
 def rows(table: list[Misuse]) -> list:
@@ -87,7 +93,9 @@ def assert_refused(row: Misuse) -> str:
         row.call()
     message = str(caught.value)
     assert caught.type is row.error, f"expected {row.error.__name__}, got {caught.type.__name__}: {message}"
-    missing = [word for word in row.words if word not in message]
+    missing = [word for word in row.words
+               if (word.search(message) is None if isinstance(word, re.Pattern) else word not in message)]
     assert missing == [], f"the message lacks {missing}: {message}"
     assert process_state() == before, "the refused call left something behind"
+    assert_nothing_installed()
     return message

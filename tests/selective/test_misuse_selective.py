@@ -1,7 +1,7 @@
 """Misuse of the public selective functions: a clear error at the call, and nothing left behind.
 
-Each row: the call, the exception it must raise, and words its message must contain (the
-argument's name, what it accepts, the bad value). After the error no dispatch mode is active,
+Each row is a ``Misuse`` (tests/_misuse.py): the call, the exception it must raise, and words its
+message must contain (the argument's name, what it accepts, the bad value). After the error no dispatch mode is active,
 no saved-tensor hook is installed, and no function was run or measured.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ckptlib.selective import (
     policy_from_costs, save_matmuls, selective_checkpoint, selective_contexts,
 )
 
-from tests._misuse import assert_nothing_installed
+from tests._misuse import Misuse, assert_nothing_installed, assert_refused, rows
 
 aten = torch.ops.aten
 
@@ -51,109 +51,79 @@ def _x() -> torch.Tensor:
 
 _PROFILE = CostProfile({OpCall(aten.mm.default, ((4, 4), (4, 4))): OpCost(1, 0.001, 64)}, activation_bytes=64)
 
-# (id, function, positional arguments after fn, keyword arguments, exception, words in the message)
+of_op_only = lambda op: True  # noqa: E731  (a lambda at module level: the message names it <lambda>)
+COUNTED = Calls()   # the function the rows checkpoint or measure: it must never run
+X = torch.randn(4, 4, requires_grad=True)   # made here: a refused call leaves the global RNG as it was
+
 SELECTIVE_CHECKPOINT = [
-    ("policy str", {"policy": "aten.mm"}, TypeError, ["policy must be a callable", "str"]),
-    ("policy None", {"policy": None}, TypeError, ["policy must be a callable", "NoneType"]),
-    ("policy torch.mm", {"policy": {torch.mm}}, TypeError, ["policy contains", "not an aten op"]),
-    ("policy strings", {"policy": ["aten.mm"]}, TypeError, ["'aten.mm'", "not an aten op"]),
-    ("policy lambda op", {"policy": lambda op: True}, TypeError,
-     ["policy <lambda>(op)", "policy(op, *args, **kwargs)"]),
-    ("policy without **kwargs", {"policy": keep_without_kwargs}, TypeError,
-     ["keep_without_kwargs(op, *args)", "keyword arguments"]),
-    ("policy object, one parameter", {"policy": KeepOnlyOp()}, TypeError,
-     ["policy KeepOnlyOp(op)", "(op, *args, **kwargs)"]),
-    ("policy, two required", {"policy": two_required}, TypeError, ["two_required(op, tensor, *args, **kwargs)"]),
-    ("skip_unneeded str", {"policy": save_matmuls, "skip_unneeded": "no"}, TypeError,
-     ["selective_checkpoint", "skip_unneeded must be True or False", "'no'"]),
-    ("preserve_rng_state str", {"policy": save_matmuls, "preserve_rng_state": "no"}, TypeError,
-     ["preserve_rng_state must be True or False", "'no'"]),
-    ("early_stop None", {"policy": save_matmuls, "early_stop": None}, TypeError,
-     ["early_stop must be True or False", "None"]),
-    ("debug str", {"policy": save_matmuls, "debug": "loud"}, TypeError, ["debug must be True or False", "'loud'"]),
-    ("plans dict", {"policy": save_matmuls, "plans": {}}, TypeError, ["plans must be a SelectivePlans", "dict"]),
-    ("plans without skipping", {"policy": save_matmuls, "plans": SelectivePlans(), "skip_unneeded": False},
-     ValueError, ["plans= needs skip_unneeded=True"]),
+    Misuse("policy str", lambda: selective_checkpoint(COUNTED, X, policy="aten.mm"), TypeError, ("policy must be a callable", "str")),
+    Misuse("policy None", lambda: selective_checkpoint(COUNTED, X, policy=None), TypeError, ("policy must be a callable", "NoneType")),
+    Misuse("policy torch.mm", lambda: selective_checkpoint(COUNTED, X, policy={torch.mm}), TypeError, ("policy contains", "not an aten op")),
+    Misuse("policy strings", lambda: selective_checkpoint(COUNTED, X, policy=["aten.mm"]), TypeError, ("'aten.mm'", "not an aten op")),
+    Misuse("policy lambda op", lambda: selective_checkpoint(COUNTED, X, policy=of_op_only), TypeError, ("policy <lambda>(op)", "policy(op, *args, **kwargs)")),
+    Misuse("policy without **kwargs", lambda: selective_checkpoint(COUNTED, X, policy=keep_without_kwargs), TypeError, ("keep_without_kwargs(op, *args)", "keyword arguments")),
+    Misuse("policy object, one parameter", lambda: selective_checkpoint(COUNTED, X, policy=KeepOnlyOp()), TypeError, ("policy KeepOnlyOp(op)", "(op, *args, **kwargs)")),
+    Misuse("policy, two required", lambda: selective_checkpoint(COUNTED, X, policy=two_required), TypeError, ("two_required(op, tensor, *args, **kwargs)",)),
+    Misuse("skip_unneeded str", lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, skip_unneeded="no"), TypeError, ("selective_checkpoint", "skip_unneeded must be True or False", "'no'")),
+    Misuse("preserve_rng_state str", lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, preserve_rng_state="no"), TypeError, ("preserve_rng_state must be True or False", "'no'")),
+    Misuse("early_stop None", lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, early_stop=None), TypeError, ("early_stop must be True or False", "None")),
+    Misuse("debug str", lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, debug="loud"), TypeError, ("debug must be True or False", "'loud'")),
+    Misuse("plans dict", lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, plans={}), TypeError, ("plans must be a SelectivePlans", "dict")),
+    Misuse("plans without skipping", lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, plans=SelectivePlans(), skip_unneeded=False), ValueError, ("plans= needs skip_unneeded=True",)),
 ]
 
-POLICY_FROM_COSTS = [
-    ("memory_ratio str", {"memory_ratio": "half"}, TypeError, ["memory_ratio must be a number", "'half'", "str"]),
-    ("memory_ratio bool", {"memory_ratio": True}, TypeError, ["memory_ratio must be a number", "bool"]),
-    ("memory_ratio negative", {"memory_ratio": -0.5}, ValueError, ["memory_ratio must be a finite number >= 0",
-                                                                   "-0.5"]),
-    ("memory_ratio nan", {"memory_ratio": float("nan")}, ValueError, ["memory_ratio", "finite", "nan"]),
-    ("repeats str", {"memory_ratio": 0.5, "repeats": "3"}, TypeError, ["repeats must be an int", "'3'"]),
-    ("repeats zero", {"memory_ratio": 0.5, "repeats": 0}, ValueError, ["repeats must be at least 1", "got 0"]),
-    ("budget negative", {"budget_bytes": -5}, ValueError, ["budget_bytes must be at least 0", "got -5"]),
-    ("budget str", {"budget_bytes": "1MB"}, TypeError, ["budget_bytes must be an int number of bytes", "'1MB'"]),
-    ("budget float", {"budget_bytes": 1.5}, TypeError, ["budget_bytes must be an int", "1.5"]),
-    ("worth str", {"memory_ratio": 0.5, "worth": "1"}, TypeError, ["worth must be a number", "'1'"]),
-    ("worth negative", {"memory_ratio": 0.5, "worth": -1}, ValueError, ["worth must be a finite number >= 0"]),
-    ("both budgets", {"memory_ratio": 0.5, "budget_bytes": 10}, ValueError, ["exactly one budget"]),
-    ("no budget", {}, ValueError, ["exactly one budget", "memory_ratio", "budget_bytes"]),
-]
-
-MEASURE_OP_COSTS = [
-    ("repeats str", {"repeats": "3"}, TypeError, ["measure_op_costs", "repeats must be an int", "'3'"]),
-    ("repeats zero", {"repeats": 0}, ValueError, ["measure_op_costs", "repeats must be at least 1"]),
+MEASURING = [
+    Misuse("policy_from_costs: memory_ratio str", lambda: policy_from_costs(COUNTED, X, memory_ratio="half"), TypeError, ("memory_ratio must be a number", "'half'", "str")),
+    Misuse("policy_from_costs: memory_ratio bool", lambda: policy_from_costs(COUNTED, X, memory_ratio=True), TypeError, ("memory_ratio must be a number", "bool")),
+    Misuse("policy_from_costs: memory_ratio negative", lambda: policy_from_costs(COUNTED, X, memory_ratio=-0.5), ValueError, ("memory_ratio must be a finite number >= 0", "-0.5")),
+    Misuse("policy_from_costs: memory_ratio nan", lambda: policy_from_costs(COUNTED, X, memory_ratio=float("nan")), ValueError, ("memory_ratio", "finite", "nan")),
+    Misuse("policy_from_costs: repeats str", lambda: policy_from_costs(COUNTED, X, memory_ratio=0.5, repeats="3"), TypeError, ("repeats must be an int", "'3'")),
+    Misuse("policy_from_costs: repeats zero", lambda: policy_from_costs(COUNTED, X, memory_ratio=0.5, repeats=0), ValueError, ("repeats must be at least 1", "got 0")),
+    Misuse("policy_from_costs: budget negative", lambda: policy_from_costs(COUNTED, X, budget_bytes=-5), ValueError, ("budget_bytes must be at least 0", "got -5")),
+    Misuse("policy_from_costs: budget str", lambda: policy_from_costs(COUNTED, X, budget_bytes="1MB"), TypeError, ("budget_bytes must be an int number of bytes", "'1MB'")),
+    Misuse("policy_from_costs: budget float", lambda: policy_from_costs(COUNTED, X, budget_bytes=1.5), TypeError, ("budget_bytes must be an int", "1.5")),
+    Misuse("policy_from_costs: worth str", lambda: policy_from_costs(COUNTED, X, memory_ratio=0.5, worth="1"), TypeError, ("worth must be a number", "'1'")),
+    Misuse("policy_from_costs: worth negative", lambda: policy_from_costs(COUNTED, X, memory_ratio=0.5, worth=-1), ValueError, ("worth must be a finite number >= 0",)),
+    Misuse("policy_from_costs: both budgets", lambda: policy_from_costs(COUNTED, X, memory_ratio=0.5, budget_bytes=10), ValueError, ("exactly one budget",)),
+    Misuse("policy_from_costs: no budget", lambda: policy_from_costs(COUNTED, X), ValueError, ("exactly one budget", "memory_ratio", "budget_bytes")),
+    Misuse("measure_op_costs: repeats str", lambda: measure_op_costs(COUNTED, X, repeats="3"), TypeError, ("measure_op_costs", "repeats must be an int", "'3'")),
+    Misuse("measure_op_costs: repeats zero", lambda: measure_op_costs(COUNTED, X, repeats=0), ValueError, ("measure_op_costs", "repeats must be at least 1")),
 ]
 
 OTHER = [
-    ("policy_from_costs fn None", lambda: policy_from_costs(None, _x(), memory_ratio=0.5), TypeError,
-     ["policy_from_costs", "fn must be the function or module to measure", "NoneType"]),
-    ("measure_op_costs fn str", lambda: measure_op_costs("block", _x()), TypeError,
-     ["measure_op_costs", "fn must be", "str"]),
-    ("choose_ops profile None", lambda: choose_ops(None, 100), TypeError, ["profile must be a CostProfile", "NoneType"]),
-    ("choose_ops budget negative", lambda: choose_ops(_PROFILE, -5), ValueError, ["budget_bytes must be at least 0"]),
-    ("choose_ops budget str", lambda: choose_ops(_PROFILE, "100"), TypeError, ["budget_bytes must be an int"]),
-    ("choose_ops worth str", lambda: choose_ops(_PROFILE, 100, worth="high"), TypeError, ["worth must be a number"]),
-    ("selective_contexts replay_random", lambda: selective_contexts(save_matmuls, replay_random="yes"), TypeError,
-     ["selective_contexts", "replay_random must be True or False", "'yes'"]),
-    ("selective_contexts skip_unneeded", lambda: selective_contexts(save_matmuls, skip_unneeded=1), TypeError,
-     ["selective_contexts", "skip_unneeded must be True or False", "1 (int)"]),
-    ("selective_contexts policy", lambda: selective_contexts(lambda op: True), TypeError,
-     ["<lambda>(op) cannot be called as policy(op, *args, **kwargs)"]),
-    ("megatron_attention called with torch.mm", lambda: megatron_attention(torch.mm, torch.zeros(2, 2)), TypeError,
-     ["megatron_attention is a policy", "builtin_function_or_method", "policy=megatron_attention"]),
-    ("checkpointed fn str", lambda: selective_checkpoint("block", _x(), policy=save_matmuls), TypeError,
-     ["fn must be callable", "str"]),
+    Misuse("policy_from_costs fn None", lambda: policy_from_costs(None, X, memory_ratio=0.5), TypeError, ("policy_from_costs", "fn must be the function or module to measure", "NoneType")),
+    Misuse("measure_op_costs fn str", lambda: measure_op_costs("block", X), TypeError, ("measure_op_costs", "fn must be", "str")),
+    Misuse("choose_ops profile None", lambda: choose_ops(None, 100), TypeError, ("profile must be a CostProfile", "NoneType")),
+    Misuse("choose_ops budget negative", lambda: choose_ops(_PROFILE, -5), ValueError, ("budget_bytes must be at least 0",)),
+    Misuse("choose_ops budget str", lambda: choose_ops(_PROFILE, "100"), TypeError, ("budget_bytes must be an int",)),
+    Misuse("choose_ops worth str", lambda: choose_ops(_PROFILE, 100, worth="high"), TypeError, ("worth must be a number",)),
+    Misuse("selective_contexts replay_random", lambda: selective_contexts(save_matmuls, replay_random="yes"), TypeError, ("selective_contexts", "replay_random must be True or False", "'yes'")),
+    Misuse("selective_contexts skip_unneeded", lambda: selective_contexts(save_matmuls, skip_unneeded=1), TypeError, ("selective_contexts", "skip_unneeded must be True or False", "1 (int)")),
+    Misuse("selective_contexts policy", lambda: selective_contexts(lambda op: True), TypeError, ("<lambda>(op) cannot be called as policy(op, *args, **kwargs)",)),
+    Misuse("megatron_attention called with torch.mm", lambda: megatron_attention(torch.mm, torch.zeros(2, 2)), TypeError, ("megatron_attention is a policy", "builtin_function_or_method", "policy=megatron_attention")),
+    Misuse("checkpointed fn str", lambda: selective_checkpoint("block", X, policy=save_matmuls), TypeError, ("fn must be callable", "str")),
 ]
 
 
-def _check(call, exception, words) -> None:
-    with pytest.raises(exception) as info:
-        call()
-    message = str(info.value)
-    missing = [word for word in words if word not in message]
-    assert not missing, f"{missing} not in: {message}"
-    assert_nothing_installed()
-
-
-@pytest.mark.parametrize("kwargs, exception, words", [row[1:] for row in SELECTIVE_CHECKPOINT],
-                         ids=[row[0] for row in SELECTIVE_CHECKPOINT])
+@pytest.mark.parametrize("row", rows(SELECTIVE_CHECKPOINT))
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
-def test_selective_checkpoint_rejects_at_the_call(kwargs, exception, words, grad):
-    fn = Calls()
+def test_selective_checkpoint_rejects_at_the_call(row, grad):
+    COUNTED.count = 0
     with torch.set_grad_enabled(grad):
-        _check(lambda: selective_checkpoint(fn, _x(), **kwargs), exception, words)
-    assert fn.count == 0
+        assert_refused(row)
+    assert COUNTED.count == 0
 
 
-MEASURING = [(policy_from_costs, *row) for row in POLICY_FROM_COSTS] + [(measure_op_costs, *row)
-                                                                         for row in MEASURE_OP_COSTS]
+@pytest.mark.parametrize("row", rows(MEASURING))
+def test_measuring_functions_reject_before_measuring(row):
+    COUNTED.count = 0
+    assert_refused(row)
+    assert COUNTED.count == 0
 
 
-@pytest.mark.parametrize("function, kwargs, exception, words", [(row[0], *row[2:]) for row in MEASURING],
-                         ids=[f"{row[0].__name__}: {row[1]}" for row in MEASURING])
-def test_measuring_functions_reject_before_measuring(function, kwargs, exception, words):
-    fn = Calls()
-    _check(lambda: function(fn, _x(), **kwargs), exception, words)
-    assert fn.count == 0
-
-
-@pytest.mark.parametrize("call, exception, words", [row[1:] for row in OTHER], ids=[row[0] for row in OTHER])
-def test_other_selective_functions_reject_at_the_call(call, exception, words):
-    _check(call, exception, words)
+@pytest.mark.parametrize("row", rows(OTHER))
+def test_other_selective_functions_reject_at_the_call(row):
+    assert_refused(row)
 
 
 def test_a_failed_call_leaves_the_plans_untouched():
