@@ -19,10 +19,16 @@ from ckptlib import measure
 
 def cell_source(path: Path, *, cell_id: str | None = None, grade_id: str | None = None) -> str:
     """The source of the one cell of ``path`` with this cell id or nbgrader grade id."""
-    cells = [cell for cell in nbformat.read(path, as_version=4).cells
-             if (cell_id is not None and cell.get("id") == cell_id)
-             or (grade_id is not None and cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id)]
-    assert len(cells) == 1, f"{path.name}: expected one cell with id={cell_id!r} grade_id={grade_id!r}, found {len(cells)}"
+    cells = [
+        cell
+        for cell in nbformat.read(path, as_version=4).cells
+        if (cell_id is not None and cell.get("id") == cell_id)
+        or (grade_id is not None and cell.metadata.get("nbgrader", {}).get("grade_id") == grade_id)
+    ]
+    assert len(cells) == 1, (
+        f"{path.name}: expected one cell with id={cell_id!r} grade_id={grade_id!r}, "
+        f"found {len(cells)}"
+    )
     return cells[0].source
 
 

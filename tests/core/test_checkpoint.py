@@ -1,4 +1,6 @@
-"""ckptlib.checkpoint against plain autograd (bitwise) and torch.utils.checkpoint (non-reentrant)."""
+"""ckptlib.checkpoint against plain autograd (bitwise) and torch.utils.checkpoint
+(non-reentrant)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -43,7 +45,9 @@ class Block(nn.Module):
         q, k, v = (t.view(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
         mask = torch.ones(s, s, dtype=torch.bool).triu(1)
-        att = F.dropout(scores.masked_fill(mask, float("-inf")).softmax(-1), self.dropout, self.training)
+        att = F.dropout(
+            scores.masked_fill(mask, float("-inf")).softmax(-1), self.dropout, self.training
+        )
         x = x + self.proj((att @ v).transpose(1, 2).reshape(b, s, d))
         return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.dropout, self.training)
 
@@ -69,7 +73,9 @@ def assert_bitwise(a, b) -> None:
     # rtol=atol=0: bitwise equal values; equal_nan, since a random op chain may overflow
     torch.testing.assert_close(out_a, out_b, rtol=0, atol=0, equal_nan=True)
     for i, (ga, gb) in enumerate(zip(grads_a, grads_b)):
-        torch.testing.assert_close(ga, gb, rtol=0, atol=0, equal_nan=True, msg=f"gradient {i} differs")
+        torch.testing.assert_close(
+            ga, gb, rtol=0, atol=0, equal_nan=True, msg=f"gradient {i} differs"
+        )
 
 
 def three_ways(fn, inputs, params=()):
@@ -147,7 +153,12 @@ def test_kwargs_and_nested_structures_pass_through_untouched():
     y = torch.randn(3, requires_grad=True)
     inputs = {"x": x, "pair": ("left", y)}
     out = checkpoint(fn, inputs, scale=torch.tensor(2.0), name="block", extra=None)
-    assert out["tag"] == "block" and out["count"] == 3 and out["nothing"] is None and out["pair"][1] == 7
+    assert (
+        out["tag"] == "block"
+        and out["count"] == 3
+        and out["nothing"] is None
+        and out["pair"][1] == 7
+    )
     (out["out"].sum() + out["pair"][0].sum()).backward()
     gx, gy = x.grad.clone(), y.grad.clone()
     x.grad = y.grad = None
@@ -179,7 +190,9 @@ def test_bf16_autocast_on_cpu_is_replayed():
 
     plain = grads_of(lambda: run(lambda m, t: m(t)), tensors)
     ours = grads_of(lambda: run(checkpoint), tensors)
-    theirs = grads_of(lambda: run(lambda m, t: torch_checkpoint(m, t, use_reentrant=False)), tensors)
+    theirs = grads_of(
+        lambda: run(lambda m, t: torch_checkpoint(m, t, use_reentrant=False)), tensors
+    )
     assert plain[0].dtype == torch.bfloat16
     assert_bitwise(plain, ours)
     assert_bitwise(theirs, ours)
@@ -305,8 +318,12 @@ def test_grad_on_subset_of_inputs_releases_unused_recomputed_tensors():
     assert torch.equal(gx, torch.autograd.grad((x.sin() * y.exp()).sum(), [x])[0])
     assert trace.count("recompute") == 1 and trace.count("release") == 1
     gc.collect()
-    assert len(recomputed) == 1 and recomputed[0].expired(), "unused recomputed tensor outlived backward"
-    (gy,) = torch.autograd.grad(out, [y])  # the graph was retained: a second backward recomputes again
+    assert len(recomputed) == 1 and recomputed[0].expired(), (
+        "unused recomputed tensor outlived backward"
+    )
+    (gy,) = torch.autograd.grad(
+        out, [y]
+    )  # the graph was retained: a second backward recomputes again
     assert torch.equal(gy, torch.autograd.grad((x.sin() * y.exp()).sum(), [y])[0])
     assert len(recomputed) == 2
 
@@ -465,7 +482,9 @@ def test_no_intermediate_survives_forward_and_recomputed_ones_die_after_backward
     out.register_hook(grab)
     out.sum().backward()
     gc.collect()
-    assert len(refs) == 2 and all(r.expired() for r in refs), "a recomputed tensor outlived backward"
+    assert len(refs) == 2 and all(r.expired() for r in refs), (
+        "a recomputed tensor outlived backward"
+    )
 
 
 def test_recomputed_tensor_released_right_after_its_use():
@@ -593,7 +612,9 @@ def test_input_modified_in_place_after_forward():
     out = checkpoint(torch.sin, h)
     with torch.no_grad():
         h.add_(1.0)
-    with pytest.raises((CheckpointError, RuntimeError), match="modified (by an inplace operation|in place)"):
+    with pytest.raises(
+        (CheckpointError, RuntimeError), match="modified (by an inplace operation|in place)"
+    ):
         out.sum().backward()
 
 
@@ -679,7 +700,9 @@ def test_trace_events_in_order():
 
 def test_trace_reports_early_stop():
     with record_trace() as trace:
-        checkpoint(lambda t: t.sin().exp().cos(), torch.randn(3, requires_grad=True)).sum().backward()
+        checkpoint(
+            lambda t: t.sin().exp().cos(), torch.randn(3, requires_grad=True)
+        ).sum().backward()
     # all three saved tensors are needed, so recomputation runs to the end
     assert trace.count("early_stop") == 0
     x = torch.randn(3, requires_grad=True)
@@ -693,7 +716,9 @@ def test_trace_reports_early_stop():
 def test_debug_prints_trace(capsys):
     checkpoint(torch.sin, torch.randn(2, requires_grad=True), debug=True).sum().backward()
     printed = capsys.readouterr().out
-    assert "pack #0 sin" in printed and "recompute" in printed and "unpack #0 SinBackward0" in printed
+    assert (
+        "pack #0 sin" in printed and "recompute" in printed and "unpack #0 SinBackward0" in printed
+    )
 
 
 def test_unpack_outside_backward_recomputes_for_that_read_only():
@@ -724,8 +749,18 @@ def test_fallback_input_saver_for_older_torch(monkeypatch):
 
 
 def test_public_api_names():
-    for name in ["checkpoint", "CheckpointError", "checkpoint_sequential", "Plan", "selective_checkpoint",
-                 "MemoryMeter", "measure", "autograd_graph", "MLPChain", "TinyTransformer"]:
+    for name in [
+        "checkpoint",
+        "CheckpointError",
+        "checkpoint_sequential",
+        "Plan",
+        "selective_checkpoint",
+        "MemoryMeter",
+        "measure",
+        "autograd_graph",
+        "MLPChain",
+        "TinyTransformer",
+    ]:
         assert name in ckptlib.__all__
     assert callable(ckptlib.checkpoint) and issubclass(ckptlib.CheckpointError, RuntimeError)
 
@@ -735,11 +770,18 @@ def test_public_api_names():
 # ---------------------------------------------------------------------------
 
 UNARY = {
-    "sin": torch.sin, "exp": lambda t: t.clamp(max=5).exp(), "tanh": torch.tanh, "relu": F.relu,
-    "square": lambda t: t * t, "softmax": lambda t: t.softmax(-1), "gelu": F.gelu,
+    "sin": torch.sin,
+    "exp": lambda t: t.clamp(max=5).exp(),
+    "tanh": torch.tanh,
+    "relu": F.relu,
+    "square": lambda t: t * t,
+    "softmax": lambda t: t.softmax(-1),
+    "gelu": F.gelu,
     "transpose_mm": lambda t: t @ t.transpose(-2, -1) @ t if t.dim() >= 2 else t * 2,
-    "inplace_mul": lambda t: t.clone().mul_(1.5), "slice": lambda t: t[..., :1].expand_as(t).sin(),
-    "layer_norm": lambda t: F.layer_norm(t, t.shape[-1:]), "dropout": lambda t: F.dropout(t, 0.25, True),
+    "inplace_mul": lambda t: t.clone().mul_(1.5),
+    "slice": lambda t: t[..., :1].expand_as(t).sin(),
+    "layer_norm": lambda t: F.layer_norm(t, t.shape[-1:]),
+    "dropout": lambda t: F.dropout(t, 0.25, True),
 }
 
 
@@ -801,7 +843,11 @@ def test_record_trace_hands_each_event_over_as_it_happens():
         outputs[0].sum().backward()
     assert [kind for kind, _, _ in seen] == [event.kind for event in trace.events] == [
         "pack", "pack", "forward_done", "recompute", "unpack", "unpack"]
-    assert [made_before_return for _, _, made_before_return in seen[:3]] == [0, 0, 0]  # inside the call
+    assert [made_before_return for _, _, made_before_return in seen[:3]] == [
+        0,
+        0,
+        0,
+    ]  # inside the call
     assert not any(recomputing for _, recomputing, _ in seen)   # the rerun's packs are not events
     with record_trace() as quiet:      # without on_event: recorded only, as before
         checkpoint(torch.sin, x)
@@ -826,11 +872,17 @@ def test_trace_tells_which_dropped_tensors_free_memory():
     frees_nothing = ["frees nothing" in e.detail for e in packs]
     assert frees_nothing == [True, True, False]  # the input, weight.t(), then relu's own output
     done = next(e for e in trace.events if e.kind == "forward_done")
-    # relu's output is also the region's output: dropping it frees nothing (3 x 4 float32 stay alive)
-    assert "0 bytes of activations freed (48 more are the region's output, alive while it is)" in done.detail
+    # relu's output is also the region's output: dropping it frees nothing (3 x 4 float32 stay
+    # alive)
+    assert (
+        "0 bytes of activations freed (48 more are the region's output, alive while it is)"
+        in done.detail
+    )
 
 
-@pytest.mark.parametrize("returns", ["the saved tensor", "a view of it", "it in a tuple", "something else"])
+@pytest.mark.parametrize(
+    "returns", ["the saved tensor", "a view of it", "it in a tuple", "something else"]
+)
 def test_trace_does_not_count_a_saved_tensor_the_region_returns_as_freed(returns):
     def fn(t):
         e = t.exp()          # exp saves its result e (16 bytes), and sin saves e again
@@ -844,7 +896,10 @@ def test_trace_does_not_count_a_saved_tensor_the_region_returns_as_freed(returns
     if returns == "something else":
         assert "16 bytes of activations freed;" in done.detail
     else:
-        assert "0 bytes of activations freed (16 more are the region's output, alive while it is);" in done.detail
+        assert (
+            "0 bytes of activations freed (16 more are the region's output, alive while it is);"
+            in done.detail
+        )
     alive = out if isinstance(out, torch.Tensor) else out[1]["e"]
     assert alive.untyped_storage().nbytes() == 16   # it did stay alive
 
@@ -861,7 +916,9 @@ def test_tensors_made_inside_without_grad_free_memory():
     assert [(e.op, "frees nothing" in e.detail) for e in packs] == [
         ("layer_norm", False), ("layer_norm", False), ("layer_norm", False), ("dropout", False)]
     done = next(e for e in trace.events if e.kind == "forward_done")
-    assert "288 bytes of activations freed" in done.detail   # v * 2 and the mask (128 each), mean, rstd (16 each)
+    assert (
+        "288 bytes of activations freed" in done.detail
+    )  # v * 2 and the mask (128 each), mean, rstd (16 each)
     with peek_saved() as peek:
         out.grad_fn._saved_other   # the dropout mask
         mask = peek.take()
@@ -925,20 +982,30 @@ def test_trace_counts_a_tensor_saved_twice_once():
 
 
 def test_context_fn_pair_sharing_state_torch_selective_checkpointing():
-    # torch's SAC contexts share a cache between forward and recomputation: context_fn is called once.
+    # torch's SAC contexts share a cache between forward and recomputation: context_fn is called
+    # once.
     from functools import partial
 
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+        return (
+            CheckpointPolicy.MUST_SAVE
+            if op == torch.ops.aten.mm.default
+            else CheckpointPolicy.PREFER_RECOMPUTE
+        )
 
     torch.manual_seed(0)
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8, requires_grad=True)
     fn = lambda t: (t @ w).relu() @ w  # noqa: E731
     plain = grads_of(lambda: fn(x).sin(), [x, w])
-    ours = grads_of(lambda: checkpoint(fn, x, context_fn=partial(create_selective_checkpoint_contexts, policy)).sin(), [x, w])
+    ours = grads_of(
+        lambda: checkpoint(
+            fn, x, context_fn=partial(create_selective_checkpoint_contexts, policy)
+        ).sin(),
+        [x, w],
+    )
     assert_bitwise(plain, ours)
 
 
@@ -979,7 +1046,7 @@ class MetaForSin(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_a_meta_saved_tensor_asks_the_context_to_run_again():
     x = torch.randn(4, 4, requires_grad=True)
-    f = lambda t: t.sin().exp()      # exp saves its output, computed from the (meta) sin
+    f = lambda t: t.sin().exp()  # noqa: E731  exp saves its output, computed from the (meta) sin
     expected = grads_of(lambda: f(x), [x])
     context = MetaForSin()
     assert_bitwise(expected, grads_of(
@@ -1009,9 +1076,13 @@ def test_recompute_again_is_honoured_once():
 
     x = torch.randn(3, requires_grad=True)
     expected = grads_of(lambda: f(x), [x])
-    limit = 1              # the first rerun asks again, the second runs
-    assert_bitwise(expected, grads_of(lambda: checkpoint(f, x, context_fn=lambda: (contextlib.nullcontext(), Again())),
-                                      [x]))
+    limit = 1  # the first rerun asks again, the second runs
+    assert_bitwise(
+        expected,
+        grads_of(
+            lambda: checkpoint(f, x, context_fn=lambda: (contextlib.nullcontext(), Again())), [x]
+        ),
+    )
     assert len(runs) == 2
     runs.clear()
     limit = 2              # both ask: a clear error, and nothing left behind

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def _dropout_block(device: str) -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.3), nn.Linear(64, 64)).to(device)
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Dropout(0.3), nn.Linear(64, 64)).to(
+        device
+    )
 
 
 def _grads(block: nn.Module, x: torch.Tensor, how: str) -> list[torch.Tensor]:
@@ -52,7 +54,9 @@ def test_cuda_rng_state_after_backward_is_as_without_checkpoint():
     for how in ("plain", "ckptlib"):
         _grads(block, x, how)
         states.append(torch.cuda.get_rng_state())
-    assert torch.equal(states[0], states[1]), "replaying the forward's RNG must not move the generator"
+    assert torch.equal(states[0], states[1]), (
+        "replaying the forward's RNG must not move the generator"
+    )
 
 
 def test_cuda_dashboard_off_and_per_block():
@@ -64,7 +68,11 @@ def test_cuda_dashboard_off_and_per_block():
     per_block = dashboard.run(steps=1)[-1]
     assert off["device"].startswith("cuda") and per_block["device"].startswith("cuda")
     assert 0 < per_block["peak_bytes"] < off["peak_bytes"]
-    assert {entry.phase for entry in dashboard.timeline_data} >= {"forward", "backward", "recompute"}
+    assert {entry.phase for entry in dashboard.timeline_data} >= {
+        "forward",
+        "backward",
+        "recompute",
+    }
     assert dashboard.plot.value, "the plot must have been drawn"
 
 
@@ -75,5 +83,7 @@ def test_cuda_transformer_checkpoint_saves_memory_on_the_allocator():
     peaks = {}
     for mode in ("none", "block"):
         model.checkpointing = mode
-        peaks[mode] = ckptlib.memory.measure(lambda: model.training_step(batch), device="cuda").peak_bytes
+        peaks[mode] = ckptlib.memory.measure(
+            lambda: model.training_step(batch), device="cuda"
+        ).peak_bytes
     assert peaks["block"] < peaks["none"]

@@ -51,7 +51,9 @@ def train(model: torch.nn.Module, rank: int, full_gradients) -> list[dict[str, t
         optimizer.zero_grad(set_to_none=True)
         tokens, targets = batch
         logits = model(tokens)
-        torch.nn.functional.cross_entropy(logits.reshape(-1, inner.vocab), targets.reshape(-1)).backward()
+        torch.nn.functional.cross_entropy(
+            logits.reshape(-1, inner.vocab), targets.reshape(-1)
+        ).backward()
         steps.append(full_gradients(model))
         optimizer.step()
     return steps
@@ -87,8 +89,13 @@ def fsdp_case(rank: int) -> dict:
 
 def worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     results = {}
     try:
         results["ddp"] = ddp_case(rank)
@@ -112,7 +119,9 @@ def results(tmp_path_factory) -> list[dict]:
             for process in context.processes:
                 if process.is_alive():
                     process.terminate()
-            pytest.fail(f"the {WORLD_SIZE} workers did not finish within {DEADLINE_S} s; terminated them")
+            pytest.fail(
+                f"the {WORLD_SIZE} workers did not finish within {DEADLINE_S} s; terminated them"
+            )
     return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
 
 
@@ -121,7 +130,9 @@ def assert_same_steps(plain: list[dict], checkpointed: list[dict]) -> None:
     for step, (expected, actual) in enumerate(zip(plain, checkpointed)):
         assert expected.keys() == actual.keys()
         for name in expected:
-            assert torch.equal(actual[name], expected[name]), f"step {step}: gradient of {name} differs"
+            assert torch.equal(actual[name], expected[name]), (
+                f"step {step}: gradient of {name} differs"
+            )
 
 
 def test_ddp_gradients_equal_without_checkpointing(results):
@@ -135,8 +146,12 @@ def test_fsdp2_gradients_equal_without_checkpointing(results):
     if "fsdp_error" in results[0]:
         # ckptlib's own refusal is a failure, not a platform limit (FSDP2 gathers a parameter anew
         # for the rerun: the same tensor in another storage, which the checkpoint must accept).
-        assert not results[0]["fsdp_error"].startswith("CheckpointError"), results[0]["fsdp_traceback"]
-        pytest.skip(f"FSDP2 (fully_shard) does not run on CPU with gloo here: {results[0]['fsdp_error']}")
+        assert not results[0]["fsdp_error"].startswith("CheckpointError"), results[0][
+            "fsdp_traceback"
+        ]
+        pytest.skip(
+            f"FSDP2 (fully_shard) does not run on CPU with gloo here: {results[0]['fsdp_error']}"
+        )
     for rank_results in results:
         assert_same_steps(rank_results["fsdp"]["none"], rank_results["fsdp"]["block"])
     assert_same_steps(results[0]["fsdp"]["block"], results[1]["fsdp"]["block"])

@@ -58,10 +58,16 @@ def test_a_batchnorm_in_a_later_segment_does_not_trip_an_earlier_one():
     expected = grads(plain(x).square().sum(), [x, *plain.parameters()])
     got = grads(checkpoint_sequential(ours, 2, x).square().sum(), [x, *ours.parameters()])
     assert_bitwise(got, expected)
-    torch_got = grads(torch_checkpoint_module.checkpoint_sequential(theirs, 2, x, use_reentrant=False)
-                      .square().sum(), [x, *theirs.parameters()])
+    torch_got = grads(
+        torch_checkpoint_module.checkpoint_sequential(theirs, 2, x, use_reentrant=False)
+        .square()
+        .sum(),
+        [x, *theirs.parameters()],
+    )
     assert_bitwise(torch_got, expected)
-    for a, b in zip(ours.buffers(), plain.buffers()):   # the BatchNorm ran once, outside any checkpoint
+    for a, b in zip(
+        ours.buffers(), plain.buffers()
+    ):  # the BatchNorm ran once, outside any checkpoint
         assert torch.equal(a, b)
 
 
@@ -85,8 +91,11 @@ def test_a_step_on_a_weight_the_region_saved_still_raises():
     loss = checkpoint(layer, x).tanh().sum()
     with torch.no_grad():
         layer.weight.add_(1)
-    with pytest.raises(CheckpointError, match=r"parameter `Linear.weight` .* was modified in place between the "
-                                              r"forward pass and this recomputation .* and the recomputation reads it"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"parameter `Linear.weight` .* was modified in place between the "
+        r"forward pass and this recomputation .* and the recomputation reads it",
+    ):
         loss.backward()
     assert_nothing_installed()
     # Plain autograd raises too: it saved the weight.
@@ -104,14 +113,18 @@ def test_a_step_on_a_bias_the_region_reads_raises_where_torch_is_silently_wrong(
 
     def step_then_backward(run):
         model_copy = copy.deepcopy(model)
-        out = run(lambda t: model_copy[0](t).tanh(), x)   # tanh saves its output, which used the bias
+        out = run(
+            lambda t: model_copy[0](t).tanh(), x
+        )  # tanh saves its output, which used the bias
         model_copy[1](out).sum()   # the rest of the model runs too: its buffers change, harmlessly
         with torch.no_grad():
             model_copy[0].bias.add_(1)   # the bias is read, not saved: plain autograd does not mind
         return grads(out.square().sum(), [x])
 
     expected = step_then_backward(lambda fn, t: fn(t))
-    with pytest.raises(CheckpointError, match=r"parameter `model_copy.0.bias` .* and the recomputation reads it"):
+    with pytest.raises(
+        CheckpointError, match=r"parameter `model_copy.0.bias` .* and the recomputation reads it"
+    ):
         step_then_backward(checkpoint)
     assert_nothing_installed()
     # torch differs: its rerun computes with the stepped bias and gives another gradient, silently.
@@ -143,7 +156,8 @@ def test_a_second_backward_after_a_refused_read_is_refused_again():
 
 
 def first_cnn() -> nn.Sequential:
-    """A learner's first own model: two conv blocks with batch norm and dropout, then a classifier."""
+    """A learner's first own model: two conv blocks with batch norm and dropout, then a
+    classifier."""
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.2),
@@ -163,8 +177,12 @@ def test_a_first_cnn_with_batchnorm_and_dropout_under_checkpoint_sequential_give
 
     plain, ours, theirs = first_cnn(), first_cnn(), first_cnn()
     expected = gradients(plain, lambda model, t: model(t))
-    with pytest.warns(StateUpdatedTwiceWarning, match=r"BatchNorm2d .* running statistics move twice"):
-        assert_bitwise(gradients(ours, lambda model, t: checkpoint_sequential(model, 3, t)), expected)
+    with pytest.warns(
+        StateUpdatedTwiceWarning, match=r"BatchNorm2d .* running statistics move twice"
+    ):
+        assert_bitwise(
+            gradients(ours, lambda model, t: checkpoint_sequential(model, 3, t)), expected
+        )
     assert_bitwise(gradients(theirs, lambda model, t: torch_checkpoint_module.checkpoint_sequential(
         model, 3, t, use_reentrant=False)), expected)
 
@@ -188,14 +206,17 @@ def test_a_traced_module_and_a_lambda_around_one_give_plain_gradients():
     x = torch.randn(3, 4, requires_grad=True)
     expected = grads(traced(x).tanh().sum(), [x, layer.weight])
     for fn in (traced, lambda t: traced(t)):
-        assert_bitwise(grads(checkpoint(fn, x, early_stop=False).tanh().sum(), [x, layer.weight]), expected)
+        assert_bitwise(
+            grads(checkpoint(fn, x, early_stop=False).tanh().sum(), [x, layer.weight]), expected
+        )
         with torch_checkpoint_module.set_checkpoint_early_stop(False):
             assert_bitwise(grads(torch_checkpoint(fn, x).tanh().sum(), [x, layer.weight]), expected)
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace:DeprecationWarning")
 def test_a_traced_module_with_early_stop_on_gives_plain_gradients_where_torch_fails():
-    # The rerun marks its own stop, so a stop wrapped by the TorchScript interpreter is still a stop.
+    # The rerun marks its own stop, so a stop wrapped by the TorchScript interpreter is still a
+    # stop.
     layer, traced = traced_layer()
     for _ in range(3):          # TorchScript's profiling executor: run 1 may differ from run 2
         traced(torch.randn(3, 4))
@@ -258,8 +279,11 @@ class RaisingProperties:
         return t.exp().sin()
 
 
-@pytest.mark.parametrize("make", [lambda: AnswersEverything(lambda t: t.exp().sin()), RaisesOnEveryAttribute,
-                                  RaisingProperties], ids=["proxy", "raising getattr", "raising properties"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: AnswersEverything(lambda t: t.exp().sin()), RaisesOnEveryAttribute, RaisingProperties],
+    ids=["proxy", "raising getattr", "raising properties"],
+)
 def test_user_objects_never_crash_the_walk_or_the_region_name(make):
     x = torch.randn(3, requires_grad=True)
     expected = grads(x.exp().sin().sum(), [x])
@@ -317,7 +341,7 @@ def test_a_wrapper_subclass_counts_its_inner_tensors():
     pair = two_tensor.TwoTensor(torch.randn(100), torch.randn(100))
     assert measure(lambda: pair * 2).peak_bytes == 800   # two new inner tensors of 400 B
     jagged = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)], layout=torch.jagged)
-    assert measure(lambda: jagged * 2).peak_bytes == 6 * 3 * 4   # new values; the offsets are shared
+    assert measure(lambda: jagged * 2).peak_bytes == 6 * 3 * 4  # new values; the offsets are shared
 
 
 def test_torch_tensor_from_a_list_counts_its_storage():
@@ -333,7 +357,9 @@ def test_resize_and_out_count_the_memory_they_add():
     assert measure(lambda: empty.resize_(500)).peak_bytes == 0   # a smaller size keeps the storage
     out = torch.empty(0)
     assert measure(lambda: torch.add(torch.ones(100), 1, out=out)).peak_bytes == 800
-    assert measure(lambda: torch.add(DENSE, 1, out=torch.empty(2, 2))).peak_bytes == 16   # fits: no resize
+    assert (
+        measure(lambda: torch.add(DENSE, 1, out=torch.empty(2, 2))).peak_bytes == 16
+    )  # fits: no resize
     with MemoryMeter() as meter:
         grown = torch.ones(10)
         grown.resize_(1000)   # copied to a new block: for a moment both exist
@@ -375,8 +401,13 @@ def test_a_ten_thousand_op_graph_is_refused_with_its_size_and_what_to_draw():
     with pytest.raises(ValueError) as error:
         render_svg(y)
     message = str(error.value)
-    for words in (f"the drawing has {nodes} nodes", "max_nodes=1000", 'collapse="module"', "print(graph)",
-                  "max_nodes=None"):
+    for words in (
+        f"the drawing has {nodes} nodes",
+        "max_nodes=1000",
+        'collapse="module"',
+        "print(graph)",
+        "max_nodes=None",
+    ):
         assert words in message
 
 
@@ -393,22 +424,37 @@ def test_a_dot_that_does_not_finish_is_stopped(tmp_path, monkeypatch):
     slow_dot = tmp_path / "dot"
     slow_dot.write_text("#!/bin/sh\nexec sleep 30\n")
     slow_dot.chmod(slow_dot.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr(render_module.shutil, "which", lambda name: str(slow_dot) if name == "dot" else None)
+    monkeypatch.setattr(
+        render_module.shutil, "which", lambda name: str(slow_dot) if name == "dot" else None
+    )
     began = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"render_svg: Graphviz `dot` did not finish laying out 2 nodes within "
-                                           r"timeout_s=0.5 s"):
+    with pytest.raises(
+        TimeoutError,
+        match=r"render_svg: Graphviz `dot` did not finish laying out 2 nodes within "
+        r"timeout_s=0.5 s",
+    ):
         render_svg("digraph { a -> b }", timeout_s=0.5)
     assert time.monotonic() - began < 25   # killed, not waited for
 
 
 @pytest.mark.skipif(render_module._TimedWebAssembly.get() is None,
                     reason="no wasmtime for Graphviz's WebAssembly build")
-def test_a_webassembly_layout_that_does_not_finish_is_stopped_and_the_next_one_runs(monkeypatch, tmp_path):
-    monkeypatch.setenv("PATH", str(tmp_path))   # no system dot: the WebAssembly build draws
-    dense = "digraph {" + " ".join(f"n{i} -> n{i + 1}; n{i} -> n{i * 7 % 900};" for i in range(900)) + "}"
-    with pytest.raises(TimeoutError, match=r"Graphviz \(WebAssembly\) did not finish laying out 901 nodes"):
+def test_a_webassembly_layout_that_does_not_finish_is_stopped_and_the_next_one_runs(
+    monkeypatch, tmp_path
+):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no system dot: the WebAssembly build draws
+    dense = (
+        "digraph {"
+        + " ".join(f"n{i} -> n{i + 1}; n{i} -> n{i * 7 % 900};" for i in range(900))
+        + "}"
+    )
+    with pytest.raises(
+        TimeoutError, match=r"Graphviz \(WebAssembly\) did not finish laying out 901 nodes"
+    ):
         render_svg(dense, timeout_s=0.2)
-    assert "</svg>" in render_svg("digraph { a -> b }")   # a fresh instance after the interrupted one
+    assert "</svg>" in render_svg(
+        "digraph { a -> b }"
+    )  # a fresh instance after the interrupted one
 
 
 # ---------------------------------------------------------------------------
@@ -422,7 +468,11 @@ def test_checkpoint_sequential_takes_a_numpy_integer():
     for model in models[1:]:
         model.load_state_dict(models[0].state_dict())
     expected = grads(models[0](x).sum(), [x, *models[0].parameters()])
-    got = grads(checkpoint_sequential(models[1], np.int64(2), x).sum(), [x, *models[1].parameters()])
+    got = grads(
+        checkpoint_sequential(models[1], np.int64(2), x).sum(), [x, *models[1].parameters()]
+    )
     assert_bitwise(got, expected)
-    torch_got = torch_checkpoint_module.checkpoint_sequential(models[2], np.int64(2), x, use_reentrant=False)
+    torch_got = torch_checkpoint_module.checkpoint_sequential(
+        models[2], np.int64(2), x, use_reentrant=False
+    )
     assert_bitwise(grads(torch_got.sum(), [x, *models[2].parameters()]), expected)

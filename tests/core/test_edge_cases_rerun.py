@@ -53,19 +53,25 @@ def torch_is_wrong(run, expected) -> None:
     """torch.utils.checkpoint returns other gradients than plain autograd, without an error."""
     if TORCH_2_13:
         kind, grads = outcome(run, torch_ckpt)
-        assert kind == "ok" and not bitwise(grads, expected), "torch.utils.checkpoint is right here now"
+        assert kind == "ok" and not bitwise(grads, expected), (
+            "torch.utils.checkpoint is right here now"
+        )
 
 
 def torch_fails(run, words: str) -> None:
     """torch.utils.checkpoint raises, with a message that does not name the cause ckptlib names."""
     if TORCH_2_13:
         kind, error = outcome(run, torch_ckpt)
-        assert kind == "error" and words in str(error), f"torch.utils.checkpoint did {kind}: {error}"
+        assert kind == "error" and words in str(error), (
+            f"torch.utils.checkpoint did {kind}: {error}"
+        )
 
 
 def seeded(n: int, *shape: int, requires_grad: bool = True) -> torch.Tensor:
     """A tensor made without the global RNG (the cases that draw must not see it moved)."""
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(n)).requires_grad_(requires_grad)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(n)).requires_grad_(
+        requires_grad
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -106,11 +112,16 @@ def test_in_place_change_of_a_saved_tensor_inside_fn_raises_as_plain_autograd(fn
 
     kind, error = outcome(run, plain)
     assert kind == "error" and "modified by an inplace operation" in str(error)
-    with pytest.raises(CheckpointError, match=r"saved tensor #0 .* made by ExpBackward0 was modified by an "
-                       r"in-place operation inside the checkpointed function .*h = h \* 3 instead of h.mul_\(3\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"saved tensor #0 .* made by ExpBackward0 was modified by an "
+        r"in-place operation inside the checkpointed function .*h = h \* 3 instead of h.mul_\(3\)",
+    ):
         run(checkpoint)
     assert_nothing_installed()
-    if TORCH_2_13:   # torch.utils.checkpoint returns a gradient where plain autograd refuses: silently wrong
+    if (
+        TORCH_2_13
+    ):  # torch.utils.checkpoint returns a gradient where plain autograd refuses: silently wrong
         assert outcome(run, torch_ckpt)[0] == "ok"
 
 
@@ -219,11 +230,18 @@ def _module_case():
 
 def _partial_case():
     generator = torch.Generator().manual_seed(3)
-    return functools.partial(lambda t, g: (t * torch.rand(4, generator=g)).sin(), g=generator), (), generator
+    return (
+        functools.partial(lambda t, g: (t * torch.rand(4, generator=g)).sin(), g=generator),
+        (),
+        generator,
+    )
 
 
-@pytest.mark.parametrize("make", [_closure_case, _argument_case, _global_case, _module_case, _partial_case],
-                         ids=["closure", "argument", "global name", "submodule attribute", "partial keyword"])
+@pytest.mark.parametrize(
+    "make",
+    [_closure_case, _argument_case, _global_case, _module_case, _partial_case],
+    ids=["closure", "argument", "global name", "submodule attribute", "partial keyword"],
+)
 def test_a_callers_generator_is_replayed(make):
     def run(ckpt):
         fn, extra, generator = make()
@@ -280,7 +298,9 @@ def test_determinism_check_none_compares_no_saved_tensor():
     flag = {"exp": True}
 
     def fn(t):
-        return t.exp() if flag["exp"] else t.sin()     # same shape, another op: the key check catches it
+        return (
+            t.exp() if flag["exp"] else t.sin()
+        )  # same shape, another op: the key check catches it
 
     for check, raises in (("default", True), ("none", False)):
         flag["exp"] = True
@@ -330,15 +350,21 @@ def test_parameters_swapped_by_functional_call_are_refused():
             return ckpt(lambda t: self.layer(t).tanh(), x)
 
     def run(ckpt):
-        swapped = {f"layer.{name}": (p.detach() * 2).requires_grad_() for name, p in layer.named_parameters()}
+        swapped = {
+            f"layer.{name}": (p.detach() * 2).requires_grad_()
+            for name, p in layer.named_parameters()
+        }
         a = seeded(9, 2, 4)
         # functional_call puts the module's own parameters back when it returns, before backward
         torch.func.functional_call(Outer(), swapped, (a, ckpt)).sum().backward()
         return a.grad, swapped["layer.weight"].grad
 
     expected = run(plain)
-    with pytest.raises(CheckpointError, match=r"was a parameter .* replaced between forward and backward, "
-                       r"e.g. by torch.func.functional_call"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"was a parameter .* replaced between forward and backward, "
+        r"e.g. by torch.func.functional_call",
+    ):
         run(checkpoint)
     assert_nothing_installed()
     torch_is_wrong(run, expected)
@@ -351,7 +377,9 @@ def test_parameters_passed_through_functional_call_inside_fn_are_fine():
 
     def run(ckpt):
         a = seeded(9, 2, 4)
-        ckpt(lambda t, p: torch.func.functional_call(layer, p, (t,)).tanh(), a, params).sum().backward()
+        ckpt(
+            lambda t, p: torch.func.functional_call(layer, p, (t,)).tanh(), a, params
+        ).sum().backward()
         grads = (a.grad, params["weight"].grad.clone())
         params["weight"].grad = None
         return grads
@@ -409,13 +437,16 @@ def test_a_saved_leaf_inside_a_dataclass_changed_after_forward_is_refused():
         return (a.grad,)
 
     assert outcome(run, plain)[0] == "error"
-    with pytest.raises(CheckpointError, match="modified in place between the forward pass and this recomputation"):
+    with pytest.raises(
+        CheckpointError, match="modified in place between the forward pass and this recomputation"
+    ):
         run(checkpoint)
     assert_nothing_installed()
 
 
 def test_a_non_leaf_inside_a_dataclass_changed_after_forward_is_not_seen():
-    # Documented blind spot (torch the same): a dataclass is one opaque argument, and the tensor in it is
+    # Documented blind spot (torch the same): a dataclass is one opaque argument, and the tensor in
+    # it is
     # neither an input the checkpoint keeps nor a leaf; plain autograd raises (it saved it).
     def run(ckpt):
         a = seeded(12, 4)
@@ -446,8 +477,11 @@ def test_fn_that_changes_its_own_input_is_told_so():
         return (a.grad,)
 
     assert outcome(run, plain)[0] == "ok"
-    with pytest.raises(CheckpointError, match=r"the checkpointed function itself modified its input tensor #0 .* "
-                       r"in place during the forward pass .*u = u.clone\(\) as its first line"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"the checkpointed function itself modified its input tensor #0 .* "
+        r"in place during the forward pass .*u = u.clone\(\) as its first line",
+    ):
         run(checkpoint)
     assert_nothing_installed()
     torch_fails(run, "modified by an inplace operation")
@@ -460,7 +494,9 @@ def test_fn_that_changes_its_own_input_is_told_so():
     assert bitwise(run(lambda f, t: checkpoint(fixed, t)), run(plain))
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")   # forward AD's formulas use it
+@pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning:torch.jit._script"
+)  # forward AD's formulas use it
 def test_dual_level_exited_before_backward_is_named():
     def run(ckpt, backward_inside=False):
         a = seeded(15, 4)
@@ -473,7 +509,9 @@ def test_dual_level_exited_before_backward_is_named():
             primal.sum().backward()
         return (a.grad,)
 
-    with pytest.raises(CheckpointError, match=r"inside forward-mode AD .* after that level was exited"):
+    with pytest.raises(
+        CheckpointError, match=r"inside forward-mode AD .* after that level was exited"
+    ):
         run(checkpoint)
     assert_nothing_installed()
     torch_fails(run, "A different number of tensors was saved")
@@ -503,7 +541,9 @@ def test_vmap_over_a_checkpoint_with_backward_outside_is_named():
         return (weight.grad,)
 
     expected = run(plain)
-    with pytest.raises(CheckpointError, match=r"inside a torch.func transform .* backward runs outside it"):
+    with pytest.raises(
+        CheckpointError, match=r"inside a torch.func transform .* backward runs outside it"
+    ):
         run(checkpoint)
     assert_nothing_installed()
     torch_fails(run, "vmap")
@@ -520,7 +560,9 @@ def test_vmap_over_a_checkpoint_with_backward_outside_is_named():
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
 def test_torchscript_module_inside_a_checkpoint_keeps_early_stop():
     torch.manual_seed(0)
-    scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh()))
+    scripted = torch.jit.script(
+        nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+    )
 
     def run(ckpt):
         a = seeded(19, 2, 4)
@@ -551,8 +593,11 @@ def test_a_forward_context_that_swallows_the_error_is_named():
     def fn(t):
         raise ValueError("boom")
 
-    with pytest.raises(RuntimeError, match=r"the forward context from context_fn suppressed the exception the "
-                       r"checkpointed function raised \(ValueError: boom\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"the forward context from context_fn suppressed the exception the "
+        r"checkpointed function raised \(ValueError: boom\)",
+    ):
         checkpoint(fn, seeded(20, 4), context_fn=lambda: (Swallow(), Swallow()))
     assert_nothing_installed()
 
@@ -562,9 +607,14 @@ def test_a_policy_that_returns_no_decision_is_a_type_error(answer):
     def keep_everything_maybe(op, *args, **kwargs):
         return answer
 
-    with pytest.raises(TypeError, match=r"policy .*keep_everything_maybe returned no decision for aten.mm.default, "
-                       r"got .*a policy must return True .* or False"):
-        selective_checkpoint(lambda t: (t @ t).sin(), seeded(21, 4, 4), policy=keep_everything_maybe)
+    with pytest.raises(
+        TypeError,
+        match=r"policy .*keep_everything_maybe returned no decision for aten.mm.default, "
+        r"got .*a policy must return True .* or False",
+    ):
+        selective_checkpoint(
+            lambda t: (t @ t).sin(), seeded(21, 4, 4), policy=keep_everything_maybe
+        )
     assert_nothing_installed()
 
 
@@ -573,7 +623,9 @@ def test_torchs_checkpoint_policy_answers_mean_what_they_say():
 
     def run(answer):
         a = seeded(22, 4, 4)
-        selective_checkpoint(lambda t: (t @ t).sin(), a, policy=lambda op, *args, **kwargs: answer).sum().backward()
+        selective_checkpoint(
+            lambda t: (t @ t).sin(), a, policy=lambda op, *args, **kwargs: answer
+        ).sum().backward()
         return (a.grad,)
 
     def run_plain():
@@ -601,7 +653,9 @@ def test_python_random_in_a_checkpoint_warns_once_per_function():
         return (a.grad,)
 
     expected = run(plain)
-    with pytest.warns(NotReplayedRandomWarning, match=r"drew random numbers from Python's `random` .* torch.rand"):
+    with pytest.warns(
+        NotReplayedRandomWarning, match=r"drew random numbers from Python's `random` .* torch.rand"
+    ):
         assert not bitwise(run(checkpoint), expected)      # the rerun drew another number
     with warnings.catch_warnings():
         warnings.simplefilter("error", NotReplayedRandomWarning)

@@ -20,7 +20,7 @@ def make_block(device: str = "cpu") -> TransformerBlock:
 
 def gradients(block: nn.Module, x: torch.Tensor, context=None, wrap=None) -> list[torch.Tensor]:
     run = wrap or (lambda b, inp: b(inp))
-    h = x * 1.5                                  # a non-leaf: the first block's input is an activation
+    h = x * 1.5  # a non-leaf: the first block's input is an activation
     if context is None:
         out = run(block, run(block, h))
     else:
@@ -74,8 +74,8 @@ def test_what_frees_device_memory():
     batch = torch.empty(5, 4, device="meta")
     assert offload._frees_device_memory(activation)
     assert offload._frees_device_memory(activation.t())              # a view of an activation
-    assert offload._frees_device_memory(batch)                       # a leaf nobody differentiates
-    assert not offload._frees_device_memory(weight)                  # parameters stay where they are
+    assert offload._frees_device_memory(batch)  # a leaf nobody differentiates
+    assert not offload._frees_device_memory(weight)  # parameters stay where they are
     assert not offload._frees_device_memory(weight.t())              # ... and so do views of them
     assert not offload._frees_device_memory(torch.empty(4))          # already on the CPU
 
@@ -84,7 +84,9 @@ def test_offloaded_copies_come_back_equal(cpu_as_device):
     block = make_block()
     x = torch.randn(2, 16, 32, requires_grad=True)
     expected = gradients(block, x)
-    hooks = offload_saved_tensors(pin_memory=True)     # pinning is skipped: the source is no CUDA tensor
+    hooks = offload_saved_tensors(
+        pin_memory=True
+    )  # pinning is skipped: the source is no CUDA tensor
     assert_bitwise_equal(gradients(block, x, hooks), expected)
     assert hooks.offloaded_bytes > 0
     # Per block call: 4 Linears save weight.t(), 2 LayerNorms their weight and bias.
@@ -139,7 +141,9 @@ def test_cuda_offload_to_pinned_memory(monkeypatch):
         mlp.zero_grad(set_to_none=True)
         return result, held
 
-    expected, held_plain = grads_and_memory(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    expected, held_plain = grads_and_memory(
+        torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    )
     hooks = offload_saved_tensors(pin_memory=True)
     actual, held_offloaded = grads_and_memory(hooks)
     assert_bitwise_equal(actual, expected)
@@ -195,24 +199,31 @@ def test_save_on_cpu_is_silent_where_offload_raises():
     y.sum().backward()                                    # torch: no error, and a wrong gradient
     assert not torch.equal(x.grad, 2 * (2 * x.detach()).cos())
     x, y, _ = saved_then_modified(offload_saved_tensors())
-    with pytest.raises(RuntimeError, match="offload_saved_tensors: one of the variables needed for gradient "
-                                           "computation has been modified by an inplace operation: a saved tensor "
-                                           "\\[torch.float32, shape \\[6\\]\\], which is the output of MulBackward0, "
-                                           "needed by SinBackward0 is at version 1; expected version 0 instead"):
+    with pytest.raises(
+        RuntimeError,
+        match="offload_saved_tensors: one of the variables needed for gradient "
+        "computation has been modified by an inplace operation: a saved tensor "
+        "\\[torch.float32, shape \\[6\\]\\], which is the output of MulBackward0, "
+        "needed by SinBackward0 is at version 1; expected version 0 instead",
+    ):
         y.sum().backward()
 
 
 def test_a_copied_saved_tensor_modified_in_place_raises_too(cpu_as_device):
     # The copy holds the forward's values; the check needs the original alive (here: `a`).
     x, y, a = saved_then_modified(offload_saved_tensors())
-    with pytest.raises(RuntimeError, match="modified by an inplace operation.*Modify a clone instead"):
+    with pytest.raises(
+        RuntimeError, match="modified by an inplace operation.*Modify a clone instead"
+    ):
         y.sum().backward()
 
 
 def test_a_parameter_updated_before_backward_raises():
     layer = nn.Linear(4, 4)
     with offload_saved_tensors():
-        y = layer(torch.randn(2, 4, requires_grad=True)).sum()     # addmm saves weight.t() for the input's grad
+        y = layer(
+            torch.randn(2, 4, requires_grad=True)
+        ).sum()  # addmm saves weight.t() for the input's grad
     with torch.no_grad():
         layer.weight.add_(1.0)                             # an optimizer step before backward
     with pytest.raises(RuntimeError, match="needed by AddmmBackward0 is at version"):

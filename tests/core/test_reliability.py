@@ -82,7 +82,9 @@ def test_checkpoint_as_the_whole_compiled_program_is_bitwise(backend, quiet_dyna
 
 def test_fullgraph_compile_is_a_clear_error(quiet_dynamo):
     compiled = torch.compile(lambda t: checkpoint(torch.sin, t), backend="eager", fullgraph=True)
-    with pytest.raises(torch._dynamo.exc.Unsupported, match="ckptlib.checkpoint runs eagerly under torch.compile"):
+    with pytest.raises(
+        torch._dynamo.exc.Unsupported, match="ckptlib.checkpoint runs eagerly under torch.compile"
+    ):
         compiled(torch.randn(3, requires_grad=True))
 
 
@@ -105,14 +107,19 @@ def test_import_stays_cheap_and_fullgraph_names_the_reason_in_a_fresh_process():
         assert "torch._dynamo" not in sys.modules, "import ckptlib imported Dynamo"
         warnings.simplefilter("ignore")
         try:
-            torch.compile(lambda t: ckptlib.checkpoint(torch.sin, t * 2), backend="eager", fullgraph=True)(
-                torch.randn(3, requires_grad=True))
+            torch.compile(lambda t: ckptlib.checkpoint(torch.sin, t * 2), backend="eager",
+                          fullgraph=True)(torch.randn(3, requires_grad=True))
         except torch._dynamo.exc.Unsupported as error:
             print(error)
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
-    assert "ckptlib.checkpoint runs eagerly under torch.compile" in result.stdout and "drop fullgraph=True" in result.stdout
+    assert (
+        "ckptlib.checkpoint runs eagerly under torch.compile" in result.stdout
+        and "drop fullgraph=True" in result.stdout
+    )
 
 
 def small_mlp() -> nn.Sequential:
@@ -120,7 +127,9 @@ def small_mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
 
 
-@pytest.mark.parametrize("wrap", ["selective", "selective_plans", "nested", "sequential", "compiled_inside"])
+@pytest.mark.parametrize(
+    "wrap", ["selective", "selective_plans", "nested", "sequential", "compiled_inside"]
+)
 def test_compiled_selective_nested_and_sequential_checkpoints(wrap, quiet_dynamo):
     mlp = small_mlp()
     x = torch.randn(4, 8, requires_grad=True)
@@ -129,14 +138,22 @@ def test_compiled_selective_nested_and_sequential_checkpoints(wrap, quiet_dynamo
     inner = torch.compile(mlp, backend="aot_eager")
     programs = {
         "selective": lambda t: selective_checkpoint(mlp, t * 2, policy=save_matmuls).sin(),
-        "selective_plans": lambda t: selective_checkpoint(mlp, t * 2, policy=save_matmuls, plans=plans).sin(),
+        "selective_plans": lambda t: selective_checkpoint(
+            mlp, t * 2, policy=save_matmuls, plans=plans
+        ).sin(),
         "nested": lambda t: checkpoint(lambda u: checkpoint(mlp, u).cos(), t * 2).sin(),
         "sequential": lambda t: checkpoint_sequential(mlp, 2, t * 2).sin(),
-        "compiled_inside": lambda t: checkpoint(inner, t * 2).sin(),   # compiled code inside a checkpoint
+        "compiled_inside": lambda t: checkpoint(
+            inner, t * 2
+        ).sin(),  # compiled code inside a checkpoint
     }
     plain = {"nested": lambda t: mlp(t * 2).cos().sin()}.get(wrap, lambda t: mlp(t * 2).sin())
     expected = gradients(lambda: plain(x), tensors)
-    program = programs[wrap] if wrap == "compiled_inside" else torch.compile(programs[wrap], backend="aot_eager")
+    program = (
+        programs[wrap]
+        if wrap == "compiled_inside"
+        else torch.compile(programs[wrap], backend="aot_eager")
+    )
     for _ in range(2):      # the second call runs what the first compiled (and reuses the plan)
         assert_bitwise(gradients(lambda: program(x), tensors), expected)
 
@@ -158,8 +175,11 @@ def test_an_op_changed_by_a_global_flag_is_refused():
     flag = {"sin": False}
     out = checkpoint(flag_region(flag), x)
     flag["sin"] = True
-    with pytest.raises(CheckpointError, match="saved tensor #0 differs.*made by ExpBackward0; recomputation "
-                                              "produced one made by MulBackward0 \\(same shape, another operation\\)"):
+    with pytest.raises(
+        CheckpointError,
+        match="saved tensor #0 differs.*made by ExpBackward0; recomputation "
+        "produced one made by MulBackward0 \\(same shape, another operation\\)",
+    ):
         out.sum().backward()
     # torch.utils.checkpoint compares shapes only: a wrong gradient, silently.
     flag["sin"] = False
@@ -209,8 +229,11 @@ def test_an_optimizer_step_before_backward_is_refused_like_plain_autograd():
     optimizer.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         plain.sum().backward()
-    with pytest.raises(CheckpointError, match="parameter `Linear.weight` \\(4x4 float32 on cpu \\(64 bytes\\)\\) was "
-                                              "modified in place between the forward pass and this recomputation"):
+    with pytest.raises(
+        CheckpointError,
+        match="parameter `Linear.weight` \\(4x4 float32 on cpu \\(64 bytes\\)\\) was "
+        "modified in place between the forward pass and this recomputation",
+    ):
         out.sum().backward()
 
 
@@ -224,22 +247,40 @@ def captured(tensor):
 @pytest.mark.parametrize("case", ["bias", "bound_method", "closure", "partial", "saved_leaf"])
 def test_tensors_read_from_outside_are_checked_and_named(case):
     torch.manual_seed(0)
-    layer, block, w = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), Block(), torch.randn(4, 4, requires_grad=True)
+    layer, block, w = (
+        nn.Sequential(nn.Linear(4, 4), nn.Tanh()),
+        Block(),
+        torch.randn(4, 4, requires_grad=True),
+    )
     UNREACHABLE["w"] = torch.randn(4, 4, requires_grad=True)
-    cases = {   # (fn, the tensor an in-place update changes, the name in the message)
-        "bias": (layer, layer[0].bias, "parameter `Sequential.0.bias`"),   # read by addmm, saved by nobody
+    cases = {  # (fn, the tensor an in-place update changes, the name in the message)
+        "bias": (
+            layer,
+            layer[0].bias,
+            "parameter `Sequential.0.bias`",
+        ),  # read by addmm, saved by nobody
         "bound_method": (block.forward, block.fc1.weight, "parameter `Block.fc1.weight`"),
         "closure": (captured(w), w, "captured tensor `tensor`"),
-        "partial": (functools.partial(F.linear, weight=w), w, "captured tensor `partial.keywords\\['weight'\\]`"),
-        "saved_leaf": (lambda t: (t @ UNREACHABLE["w"]).tanh(), UNREACHABLE["w"],     # a global: not reached
-                       "a tensor the region reads \\(4x4 float32 on cpu \\(64 bytes\\), a leaf that requires grad"),
+        "partial": (
+            functools.partial(F.linear, weight=w),
+            w,
+            "captured tensor `partial.keywords\\['weight'\\]`",
+        ),
+        "saved_leaf": (
+            lambda t: (t @ UNREACHABLE["w"]).tanh(),
+            UNREACHABLE["w"],  # a global: not reached
+            "a tensor the region reads \\(4x4 float32 on cpu \\(64 bytes\\), a leaf that requires "
+            "grad",
+        ),
     }
     fn, changed, name = cases[case]
     x = torch.randn(2, 4, requires_grad=True)
     out = checkpoint(fn, x).exp()
     with torch.no_grad():
         changed.add_(1.0)
-    with pytest.raises(CheckpointError, match=f"{name}.*version \\d+ -> \\d+.*call backward first, then step"):
+    with pytest.raises(
+        CheckpointError, match=f"{name}.*version \\d+ -> \\d+.*call backward first, then step"
+    ):
         out.sum().backward()
 
 
@@ -248,22 +289,28 @@ SAVED_CONSTANT = torch.full((4,), 3.0)
 
 @pytest.mark.parametrize("case", ["parameter", "buffer", "saved_global_constant"])
 def test_weights_buffers_and_saved_constants_changed_before_the_rerun_are_refused(case):
-    # Which saved tensors free memory no longer treats every tensor without grad as one from outside;
+    # Which saved tensors free memory no longer treats every tensor without grad as one from
+    # outside;
     # the version check must still see those that are (a buffer, a constant saved by an op).
     torch.manual_seed(0)
     norm = nn.BatchNorm1d(4).eval()
-    cases = {   # (fn, the tensor an in-place update changes, the name in the message)
+    cases = {  # (fn, the tensor an in-place update changes, the name in the message)
         "parameter": (norm, norm.weight, "parameter `BatchNorm1d.weight`"),
         "buffer": (norm, norm.running_mean, "buffer `BatchNorm1d.running_mean`"),
-        "saved_global_constant": (lambda t: t * SAVED_CONSTANT, SAVED_CONSTANT,   # a global: not reached
-                                  "a tensor the region reads \\(4 float32 on cpu \\(16 bytes\\), a leaf that "
-                                  "does not require grad: a constant"),
+        "saved_global_constant": (
+            lambda t: t * SAVED_CONSTANT,
+            SAVED_CONSTANT,  # a global: not reached
+            "a tensor the region reads \\(4 float32 on cpu \\(16 bytes\\), a leaf that "
+            "does not require grad: a constant",
+        ),
     }
     fn, changed, name = cases[case]
     out = checkpoint(fn, torch.randn(2, 4, requires_grad=True) * 1).exp()
     with torch.no_grad():
         changed.add_(1.0)
-    with pytest.raises(CheckpointError, match=f"{name}.*was modified in place.*version \\d+ -> \\d+"):
+    with pytest.raises(
+        CheckpointError, match=f"{name}.*was modified in place.*version \\d+ -> \\d+"
+    ):
         out.sum().backward()
 
 
@@ -280,7 +327,8 @@ def test_torch_recomputes_silently_with_the_new_bias():
 
 
 class BuffersRestored:
-    """A recompute context that puts a module's buffers back as they were (entered once per rerun)."""
+    """A recompute context that puts a module's buffers back as they were (entered once per
+    rerun)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -301,7 +349,9 @@ def test_state_the_region_writes_itself_is_not_an_error():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
     x = torch.randn(8, 4, requires_grad=True)
 
-    out = checkpoint(model, x, context_fn=lambda: (contextlib.nullcontext(), BuffersRestored(model)))
+    out = checkpoint(
+        model, x, context_fn=lambda: (contextlib.nullcontext(), BuffersRestored(model))
+    )
     first = torch.autograd.grad(out.sum(), x, retain_graph=True)
     assert_bitwise(torch.autograd.grad(out.sum(), x), first)      # a second backward: no error
 
@@ -339,25 +389,55 @@ def test_every_leaf_comes_back_with_its_exact_type():
     seen = []
 
     def fn(t, size, pair, ordered, counts, scaled, *, dtype, device, nothing, name):
-        seen.append((type(size), type(pair), type(ordered), type(counts), counts.default_factory, type(scaled),
-                     dtype, device, nothing, name))
-        h = t.reshape(size.numel()).sin() * (pair.left * ordered["a"] * counts["b"] * scaled.tensor).sum()
+        seen.append(
+            (
+                type(size),
+                type(pair),
+                type(ordered),
+                type(counts),
+                counts.default_factory,
+                type(scaled),
+                dtype,
+                device,
+                nothing,
+                name,
+            )
+        )
+        h = (
+            t.reshape(size.numel()).sin()
+            * (pair.left * ordered["a"] * counts["b"] * scaled.tensor).sum()
+        )
         return h * scaled.scale * pair.right
 
     x = torch.randn(2, 3, requires_grad=True)
     y = torch.randn(3, requires_grad=True)
 
     def call(wrap):
-        args = (x, x.shape, Pair(y, 2), collections.OrderedDict(a=y.cos()), collections.defaultdict(int, b=y.exp()),
-                Scaled(y * 3, 0.5))
-        return wrap(fn, *args, dtype=torch.float32, device=torch.device("cpu"), nothing=None, name="block")
+        args = (
+            x,
+            x.shape,
+            Pair(y, 2),
+            collections.OrderedDict(a=y.cos()),
+            collections.defaultdict(int, b=y.exp()),
+            Scaled(y * 3, 0.5),
+        )
+        return wrap(
+            fn, *args, dtype=torch.float32, device=torch.device("cpu"), nothing=None, name="block"
+        )
 
     expected = gradients(lambda: call(lambda f, *a, **k: f(*a, **k)), (x, y))
     for wrap in (checkpoint, torch_nonreentrant):
         seen.clear()
         assert_bitwise(gradients(lambda: call(wrap), (x, y)), expected)
-        assert len(seen) == 2 and seen[0] == seen[1]        # forward and rerun saw the same types
-    assert seen[0][:6] == (torch.Size, Pair, collections.OrderedDict, collections.defaultdict, int, Scaled)
+        assert len(seen) == 2 and seen[0] == seen[1]  # forward and rerun saw the same types
+    assert seen[0][:6] == (
+        torch.Size,
+        Pair,
+        collections.OrderedDict,
+        collections.defaultdict,
+        int,
+        Scaled,
+    )
 
 
 def test_sparse_tensors_as_input_and_saved_inside():
@@ -367,7 +447,9 @@ def test_sparse_tensors_as_input_and_saved_inside():
 
     def run(wrap):
         sparse = dense.to_sparse().requires_grad_()
-        out = wrap(lambda a, b: torch.sparse.mm(a, b).sin(), sparse, w)     # sparse.mm saves the sparse input
+        out = wrap(
+            lambda a, b: torch.sparse.mm(a, b).sin(), sparse, w
+        )  # sparse.mm saves the sparse input
         grad_sparse, grad_w = torch.autograd.grad(out.sum(), (sparse, w))
         return grad_sparse.to_dense(), grad_w
 
@@ -405,7 +487,7 @@ def test_a_failed_backward_releases_the_recomputed_tensors():
     recomputed: list[StorageWeakRef] = []
 
     def region(t):
-        e = t.exp()                  # saved by sin (and exp): recomputed, not yet used when backward fails
+        e = t.exp()  # saved by sin (and exp): recomputed, not yet used when backward fails
         if is_recomputing():
             recomputed.append(StorageWeakRef(e.untyped_storage()))
         return FailsInBackward.apply(e.sin()).tanh()
@@ -415,7 +497,9 @@ def test_a_failed_backward_releases_the_recomputed_tensors():
     with pytest.raises(RuntimeError, match="backward failed"):
         out.sum().backward(retain_graph=True)
     gc.collect()
-    assert len(recomputed) == 1 and recomputed[0].expired(), "the graph still holds a recomputed tensor"
+    assert len(recomputed) == 1 and recomputed[0].expired(), (
+        "the graph still holds a recomputed tensor"
+    )
     assert out.grad_fn is not None          # the graph is alive: only what it recomputed is gone
 
 
@@ -432,8 +516,11 @@ def bn_model(**kwargs) -> nn.Sequential:
 def test_running_statistics_updated_twice_warn_once_per_module():
     model = bn_model()
     x = torch.randn(8, 4)
-    with pytest.warns(StateUpdatedTwiceWarning, match="BatchNorm1d `Sequential.1` \\(buffer num_batches_tracked\\) "
-                                                      "again.*put it in eval mode.*Warned once per module") as caught:
+    with pytest.warns(
+        StateUpdatedTwiceWarning,
+        match="BatchNorm1d `Sequential.1` \\(buffer num_batches_tracked\\) "
+        "again.*put it in eval mode.*Warned once per module",
+    ) as caught:
         checkpoint(model, x).sum().backward()
         checkpoint(model, x).sum().backward()
     assert len([w for w in caught if w.category is StateUpdatedTwiceWarning]) == 1
@@ -451,7 +538,9 @@ def test_no_warning_when_statistics_move_once(case):
     with warnings.catch_warnings():
         warnings.simplefilter("error", StateUpdatedTwiceWarning)
         if case == "restored":
-            out = checkpoint(model, x, context_fn=lambda: (contextlib.nullcontext(), BuffersRestored(model)))
+            out = checkpoint(
+                model, x, context_fn=lambda: (contextlib.nullcontext(), BuffersRestored(model))
+            )
         elif case == "bn_outside":
             out = checkpoint(model[2], model[1](checkpoint(model[0], x)))
         else:
@@ -503,7 +592,9 @@ def test_concurrent_reruns_that_draw_random_numbers_are_refused():
     for seed, x in enumerate(xs):
         torch.manual_seed(seed)
         outs.append(checkpoint(dropout_region(barrier), x))
-    results = run_in_threads(*(lambda out=out, x=x: torch.autograd.grad(out.sum(), x) for out, x in zip(outs, xs)))
+    results = run_in_threads(
+        *(lambda out=out, x=x: torch.autograd.grad(out.sum(), x) for out, x in zip(outs, xs))
+    )
     assert all(isinstance(r, CheckpointError) for r in results), results
     assert "another thread's checkpoint used the random number generator (cpu)" in str(results[0])
 
@@ -518,7 +609,9 @@ def test_concurrent_reruns_without_random_numbers_are_fine():
 
     xs = [torch.randn(16, requires_grad=True) for _ in range(2)]
     outs = [checkpoint(region, x) for x in xs]
-    results = run_in_threads(*(lambda out=out, x=x: torch.autograd.grad(out.sum(), x) for out, x in zip(outs, xs)))
+    results = run_in_threads(
+        *(lambda out=out, x=x: torch.autograd.grad(out.sum(), x) for out, x in zip(outs, xs))
+    )
     for x, (grad,) in zip(xs, results):
         assert torch.equal(grad, (x.sin().exp() * x.cos()).detach())
 
@@ -532,7 +625,9 @@ def test_torch_gives_wrong_gradients_silently_in_the_same_race():
         expected.append(torch.autograd.grad(F.dropout(x.sin(), 0.5, True).exp().sum(), x)[0])
         torch.manual_seed(seed)
         outs.append(torch_nonreentrant(dropout_region(barrier), x))
-    results = run_in_threads(*(lambda out=out, x=x: torch.autograd.grad(out.sum(), x) for out, x in zip(outs, xs)))
+    results = run_in_threads(
+        *(lambda out=out, x=x: torch.autograd.grad(out.sum(), x) for out, x in zip(outs, xs))
+    )
     assert not all(torch.equal(grad, e) for (grad,), e in zip(results, expected))
 
 

@@ -19,8 +19,19 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckptlib import checkpoint, palette, record_trace
 from ckptlib.graph import (
-    NO_RENDERER, STATUSES, TORCH_CHECKPOINT, AutogradGraph, NotebookDigraph, SideBySide, autograd_graph,
-    render_png, render_svg, to_dot, torchviz_dot, trace_modules, with_statuses,
+    NO_RENDERER,
+    STATUSES,
+    TORCH_CHECKPOINT,
+    AutogradGraph,
+    NotebookDigraph,
+    SideBySide,
+    autograd_graph,
+    render_png,
+    render_svg,
+    to_dot,
+    torchviz_dot,
+    trace_modules,
+    with_statuses,
 )
 
 
@@ -142,7 +153,10 @@ def test_views_of_one_storage_count_the_storage_once():
     q, k = (x @ w).chunk(2, dim=-1)
     graph = autograd_graph((q * k).sum(), params={"w": w})
     mul = next(n for n in graph.nodes if n.op == "MulBackward0")
-    assert [(s.name, s.nbytes, s.storage_nbytes) for s in mul.saved] == [("other", 48, 96), ("self", 48, 96)]
+    assert [(s.name, s.nbytes, s.storage_nbytes) for s in mul.saved] == [
+        ("other", 48, 96),
+        ("self", 48, 96),
+    ]
     assert mul.saved[0].storage == mul.saved[1].storage
     # q and k share the 4x6 matmul result (96 B); mm also keeps the input x (48 B).
     assert graph.saved_bytes == 96 + 48
@@ -184,8 +198,11 @@ def test_saved_lists_and_custom_functions():
     inside = autograd_graph(checkpoint(lambda t: Double.apply(t)[index], a))
     for key in [("IndexBackward0", "indices[0]"), ("DoubleBackward", "tensors[0]")]:
         assert saved_by_op(inside)[key][3] == "dropped"
-    assert all(n.region and n.region.startswith("test_saved_lists_and_custom_functions.<locals>.<lambda>@")
-               for n in inside.nodes if n.saved)
+    assert all(
+        n.region and n.region.startswith("test_saved_lists_and_custom_functions.<locals>.<lambda>@")
+        for n in inside.nodes
+        if n.saved
+    )
 
 
 def test_several_outputs_share_their_graph():
@@ -204,7 +221,12 @@ def test_a_tensor_modified_in_place_after_saving_is_flagged():
     h = a * 2
     y = h.sin()
     h.add_(1)
-    assert saved_by_op(autograd_graph(y))[("SinBackward0", "self")] == ((3,), torch.float32, 12, "modified")
+    assert saved_by_op(autograd_graph(y))[("SinBackward0", "self")] == (
+        (3,),
+        torch.float32,
+        12,
+        "modified",
+    )
 
 
 def test_freed_after_backward():
@@ -279,9 +301,11 @@ def test_ckptlib_checkpoint_dropped_then_recomputed_then_freed():
     assert marks[("SinBackward0", "self")] == ((4,), torch.float32, 16, "dropped")
     assert marks[("ExpBackward0", "result")] == ((4,), torch.float32, 16, "dropped")
     sin = next(n for n in before.nodes if n.op == "SinBackward0")
-    assert sin.region is not None and sin.region.startswith("test_ckptlib_checkpoint_dropped_then_recomputed"
-                                                             "_then_freed.<locals>.block@")
-    # sin's saved input is x, the checkpoint's own input: dropping it frees nothing; exp's result does
+    assert sin.region is not None and sin.region.startswith(
+        "test_ckptlib_checkpoint_dropped_then_recomputed_then_freed.<locals>.block@"
+    )
+    # sin's saved input is x, the checkpoint's own input: dropping it frees nothing; exp's result
+    # does
     assert (before.saved_bytes, before.dropped_bytes) == (0, 16)
     assert [s.frees_memory for s in sin.saved] == [False]
     assert not sin.recomputed
@@ -292,7 +316,9 @@ def test_ckptlib_checkpoint_dropped_then_recomputed_then_freed():
     assert {k: v[3] for k, v in saved_by_op(after).items()} == {
         ("SinBackward0", "self"): "recomputed", ("ExpBackward0", "result"): "recomputed",
     }
-    assert all(node.recomputed for node in after.nodes if node.op in ("SinBackward0", "ExpBackward0"))
+    assert all(
+        node.recomputed for node in after.nodes if node.op in ("SinBackward0", "ExpBackward0")
+    )
     grad = x.grad.clone()
 
     loss.backward()
@@ -308,7 +334,10 @@ def test_checkpoint_region_is_a_dashed_cluster_in_dot():
     loss = checkpoint(layer, x * 2).sum()
     source = to_dot(autograd_graph(loss)).source
     assert "subgraph cluster_checkpoint0" in source
-    assert "label=\"checkpoint test_checkpoint_region_is_a_dashed_cluster_in_dot.<locals>.layer@" in source
+    assert (
+        'label="checkpoint test_checkpoint_region_is_a_dashed_cluster_in_dot.<locals>.layer@'
+        in source
+    )
     assert "dropped by checkpoint" in source  # in the legend
     loss.backward(retain_graph=True)
     assert f'fillcolor="{palette.RECOMPUTED}"' in to_dot(autograd_graph(loss)).source
@@ -326,7 +355,9 @@ def test_torch_utils_checkpoint_is_detected_without_recomputing():
     before = autograd_graph(loss)
     assert len(calls) == 1  # reading _saved_* would have rerun block
     assert saved_by_op(before)[("SinBackward0", "self")] == ((4, 2), torch.float32, 32, "dropped")
-    assert {n.region for n in before.nodes if n.op in ("SinBackward0", "ExpBackward0")} == {TORCH_CHECKPOINT}
+    assert {n.region for n in before.nodes if n.op in ("SinBackward0", "ExpBackward0")} == {
+        TORCH_CHECKPOINT
+    }
 
     loss.backward(retain_graph=True)
     after = autograd_graph(loss)
@@ -400,7 +431,8 @@ DETERMINISM_SCRIPT = textwrap.dedent("""
     with trace_modules(model) as modules:
         hidden = model[1](model[0](x))
         out = checkpoint(model[3], model[2](hidden)) * hidden.sum()
-    graph = autograd_graph(out.sum(), params={"x": x, **dict(model.named_parameters())}, modules=modules)
+    graph = autograd_graph(out.sum(), params={"x": x, **dict(model.named_parameters())},
+                           modules=modules)
     print(to_dot(graph).source)
     print(to_dot(graph, collapse="module").source)
     print(graph)
@@ -487,9 +519,15 @@ def test_torchviz_beside_ckptlib_without_system_dot(no_system_dot):
     assert isinstance(made, NotebookDigraph)
     assert "weight" in made.source and "lightblue" in made.source
     assert_svg(made._repr_mimebundle_()["image/svg+xml"])
-    page = SideBySide(made, autograd_graph(y, params=model), titles=["torchviz", "ckptlib"])._repr_html_()
-    # Pictures are <img> data URIs (they survive JupyterLab's cleaning of untrusted HTML; <svg> does not).
-    pictures = [base64.b64decode(data).decode() for data in re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', page)]
+    page = SideBySide(
+        made, autograd_graph(y, params=model), titles=["torchviz", "ckptlib"]
+    )._repr_html_()
+    # Pictures are <img> data URIs (they survive JupyterLab's cleaning of untrusted HTML; <svg> does
+    # not).
+    pictures = [
+        base64.b64decode(data).decode()
+        for data in re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', page)
+    ]
     assert len(pictures) == 2 and "<svg" not in page and ">ckptlib</div>" in page
     for svg in pictures:
         assert_svg(svg)
@@ -506,7 +544,9 @@ def boxes(dot) -> dict[str, tuple[str, str]]:
     """Saved-tensor boxes of a DOT drawing: id -> (label, attributes), legend and nodes left out."""
     found = {}
     for entry in dot.body:
-        match = re.match(r'\s*"(n\d+\.[^"]+)" \[label="((?:[^"\\]|\\.)*)"(.*)\]\s*$', entry, re.DOTALL)
+        match = re.match(
+            r'\s*"(n\d+\.[^"]+)" \[label="((?:[^"\\]|\\.)*)"(.*)\]\s*$', entry, re.DOTALL
+        )
         if match:
             found[match.group(1)] = (match.group(2), match.group(3))
     return found
@@ -531,7 +571,11 @@ def test_a_saved_leaf_outside_the_graph_is_drawn_as_a_leaf_and_not_counted():
     b = torch.randn(2, requires_grad=True)
     graph = autograd_graph((torch.tanh(x @ w + b) ** 2).mean(), params={"w": w, "b": b, "x": x})
     mm = next(n for n in graph.nodes if n.op == "MmBackward0")
-    assert (mm.saved[0].tensor_name, mm.saved[0].of_leaf, mm.saved[0].leaf_kind) == ("x", True, "leaf")
+    assert (mm.saved[0].tensor_name, mm.saved[0].of_leaf, mm.saved[0].leaf_kind) == (
+        "x",
+        True,
+        "leaf",
+    )
     label, attributes = boxes(to_dot(graph))[f"{mm.id}.self"]
     assert label.splitlines() == ["x", "(4, 3) float32", "48 B", "leaf, not counted"]
     assert "fillcolor=aliceblue" in attributes and "dashed" in attributes
@@ -547,7 +591,9 @@ def test_box_bytes_add_up_to_the_caption(case):
         graph = autograd_graph(torch.tanh(x @ w).exp().sum(), params={"w": w, "x": x})
     elif case == "named views":
         linear = nn.Linear(3, 4)
-        graph = autograd_graph(linear(torch.randn(2, 3, requires_grad=True)).sin().sum(), params=linear)
+        graph = autograd_graph(
+            linear(torch.randn(2, 3, requires_grad=True)).sin().sum(), params=linear
+        )
     elif case == "recomputed":
         model, _ = checkpointed_mlp("block")
         loss = model.loss(model.example_batch(batch=4))
@@ -561,15 +607,19 @@ def test_box_bytes_add_up_to_the_caption(case):
         last = label.splitlines()[-1]
         if f'fillcolor="{palette.SAVED}"' in attributes:
             counted_kept += label_bytes(label)
-        elif re.search(rf'\bcolor="({palette.DROPPED}|{palette.RECOMPUTE})"', attributes):  # dropped or recomputed, counted
+        elif re.search(
+            rf'\bcolor="({palette.DROPPED}|{palette.RECOMPUTE})"', attributes
+        ):  # dropped or recomputed, counted
             assert last in ("dropped", "recomputed")
             counted_dropped += label_bytes(label)
         else:  # everything else says why its bytes are not in the caption
             assert last.endswith("not counted") or last.endswith(", kept") or last in (
                 "frees nothing", "freed", "modified"), label
     assert (counted_kept, counted_dropped) == (graph.saved_bytes, graph.dropped_bytes)
-    assert (f"saved by autograd: {graph.saved_bytes} B; dropped by checkpoints: {graph.dropped_bytes} B"
-            in dot.source.replace("1.0 KiB", "1024 B"))
+    assert (
+        f"saved by autograd: {graph.saved_bytes} B; dropped by checkpoints: {graph.dropped_bytes} B"
+        in dot.source.replace("1.0 KiB", "1024 B")
+    )
 
 
 def test_a_dropout_mask_made_inside_a_checkpoint_is_drawn_as_freeing_memory():
@@ -588,7 +638,10 @@ def test_a_dropout_mask_made_inside_a_checkpoint_is_drawn_as_freeing_memory():
     mask_label, mask_style = drawn[f"{dropout.id}.{mask.name}"]
     assert mask_label.splitlines()[-1] == "dropped" and f'color="{palette.DROPPED}"' in mask_style
     constant_label, constant_style = drawn[f"{by_scale.id}.{constant.name}"]
-    assert constant_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey75" in constant_style
+    assert (
+        constant_label.splitlines()[-2:] == ["dropped", "frees nothing"]
+        and "color=grey75" in constant_style
+    )
 
 
 def test_a_view_of_a_larger_storage_says_what_the_caption_counts():
@@ -613,16 +666,25 @@ def test_a_dropped_input_looks_different_from_a_dropped_activation():
     drawn = boxes(to_dot(graph))
     sin_label, sin_style = drawn[f"{sin.id}.self"]
     exp_label, exp_style = drawn[f"{exp.id}.result"]
-    assert sin_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey75" in sin_style
+    assert (
+        sin_label.splitlines()[-2:] == ["dropped", "frees nothing"] and "color=grey75" in sin_style
+    )
     assert exp_label.splitlines()[-1] == "dropped" and f'color="{palette.DROPPED}"' in exp_style
     assert "frees nothing" in LEGEND_TEXT(to_dot(graph))
     assert "(dropped by checkpoint" in str(graph) and ", frees nothing)" in str(graph)
 
     loss.backward(retain_graph=True)
     drawn = boxes(to_dot(autograd_graph(loss)))
-    # Recomputed: both light purple (the state), but only the activation has the purple "counted" border.
-    assert f'fillcolor="{palette.RECOMPUTED}"' in drawn[f"{sin.id}.self"][1] and "color=grey75" in drawn[f"{sin.id}.self"][1]
-    assert f'fillcolor="{palette.RECOMPUTED}"' in drawn[f"{exp.id}.result"][1] and f' color="{palette.RECOMPUTE}"' in drawn[f"{exp.id}.result"][1]
+    # Recomputed: both light purple (the state), but only the activation has the purple "counted"
+    # border.
+    assert (
+        f'fillcolor="{palette.RECOMPUTED}"' in drawn[f"{sin.id}.self"][1]
+        and "color=grey75" in drawn[f"{sin.id}.self"][1]
+    )
+    assert (
+        f'fillcolor="{palette.RECOMPUTED}"' in drawn[f"{exp.id}.result"][1]
+        and f' color="{palette.RECOMPUTE}"' in drawn[f"{exp.id}.result"][1]
+    )
 
 
 def LEGEND_TEXT(dot) -> str:
@@ -683,8 +745,12 @@ def test_batch_norm_buffers_in_a_checkpoint_are_named_as_buffers():
         assert (saved[buffer].tensor_name, saved[buffer].leaf_kind) == (f"1.{buffer}", "buffer")
     assert (saved["weight"].tensor_name, saved["weight"].leaf_kind) == ("1.weight", "parameter")
     labels = {box: label for box, (label, _) in boxes(to_dot(graph)).items()}
-    assert labels[f"{bn.id}.running_mean"].splitlines() == ["1.running_mean", "(6,) float32", "24 B",
-                                                             "buffer, kept"]
+    assert labels[f"{bn.id}.running_mean"].splitlines() == [
+        "1.running_mean",
+        "(6,) float32",
+        "24 B",
+        "buffer, kept",
+    ]
 
 
 def test_text_view_sizes_the_op_column_to_the_longest_name():
@@ -695,7 +761,10 @@ def test_text_view_sizes_the_op_column_to_the_longest_name():
     assert len({line.index(" saves ") for line in lines}) == 1  # one column for every "saves"
     # Short graphs keep the 22-character column they always had.
     x = torch.randn(3, requires_grad=True)
-    assert str(autograd_graph(x.exp())).splitlines()[1] == "n0    ExpBackward0          saves result (3,) float32 12 B"
+    assert (
+        str(autograd_graph(x.exp())).splitlines()[1]
+        == "n0    ExpBackward0          saves result (3,) float32 12 B"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -706,8 +775,13 @@ def test_text_view_sizes_the_op_column_to_the_longest_name():
 def test_with_statuses_redraws_each_state_and_keeps_the_original():
     _, graph = checkpointed_mlp("block")
     relu = next(n for n in graph.nodes if n.op == "ReluBackward0" and n.region is not None)
-    expected_fill = {"kept": f'"{palette.SAVED}"', "dropped": "white", "recomputed": f'"{palette.RECOMPUTED}"',
-                     "freed": f'"{palette.RELEASED}"', "modified": "tomato"}
+    expected_fill = {
+        "kept": f'"{palette.SAVED}"',
+        "dropped": "white",
+        "recomputed": f'"{palette.RECOMPUTED}"',
+        "freed": f'"{palette.RELEASED}"',
+        "modified": "tomato",
+    }
     for status in STATUSES:
         moment = with_statuses(graph, {(relu.id, "result"): status})
         assert moment[relu.id].saved[0].status == status
@@ -764,7 +838,9 @@ def saved_pixels(png: bytes) -> int:
 
     r, g, b = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int).transpose(2, 0, 1)
     red, green, blue = (int(palette.SAVED[k:k + 2], 16) for k in (1, 3, 5))
-    return int(((abs(r - red) < 12) & (abs(g - green) < 12) & (abs(b - blue) < 12)).sum())  # a saved box's fill
+    return int(
+        ((abs(r - red) < 12) & (abs(g - green) < 12) & (abs(b - blue) < 12)).sum()
+    )  # a saved box's fill
 
 
 @pytest.mark.parametrize("system_dot", [True, False])
@@ -779,7 +855,10 @@ def test_render_png_is_the_picture_with_and_without_system_dot(system_dot, monke
     png = render_png(graph)
     width, height = png_size(png)
     assert abs(width - width_pt * 96 / 72) <= 3  # the SVG's size, at 96 dpi
-    assert saved_pixels(render_png(to_dot(autograd_graph(torch.randn(3, requires_grad=True).exp())))) > 100
+    assert (
+        saved_pixels(render_png(to_dot(autograd_graph(torch.randn(3, requires_grad=True).exp()))))
+        > 100
+    )
     assert png_size(render_png(graph, dpi=192))[0] == pytest.approx(2 * width, abs=4)
 
 
@@ -788,13 +867,22 @@ def test_graph_outputs_show_as_pictures_and_text_without_svg():
 
     formatter = DisplayFormatter()
     graph = small_graph()
-    for value in (graph, to_dot(graph), torchviz_dot(graph_tensor := torch.randn(2, requires_grad=True).exp())):
+    for value in (
+        graph,
+        to_dot(graph),
+        torchviz_dot(graph_tensor := torch.randn(2, requires_grad=True).exp()),
+    ):
         data, metadata = formatter.format(value)
         assert {"image/svg+xml", "image/png", "text/plain"} <= set(data), type(value)
         width, height = png_size(data["image/png"])
-        assert metadata["image/png"] == {"width": width // 2, "height": height // 2}  # sharp, natural size
+        assert metadata["image/png"] == {
+            "width": width // 2,
+            "height": height // 2,
+        }  # sharp, natural size
         assert " at 0x" not in data["text/plain"]
-    assert formatter.format(to_dot(graph))[0]["text/plain"].startswith("NotebookDigraph(4 autograd nodes; saved by autograd: 8 B")
+    assert formatter.format(to_dot(graph))[0]["text/plain"].startswith(
+        "NotebookDigraph(4 autograd nodes; saved by autograd: 8 B"
+    )
     assert repr(torchviz_dot(graph_tensor)) == "NotebookDigraph(torchviz make_dot, 4 boxes)"
     side = SideBySide(graph, to_dot(graph), titles=["a"])
     assert repr(side) == "SideBySide('a', graph #1)"
@@ -808,7 +896,9 @@ def test_side_by_side_keeps_one_scale_and_fits():
     (share_a, natural_a), (share_b, natural_b) = [(float(s), float(n)) for s, n in cells]
     assert share_a / share_b == pytest.approx(natural_a / natural_b, rel=1e-2)  # one scale
     assert share_a + share_b + 2.0 <= 100  # both fit in the row with the gap
-    assert page.index(">narrow</div>") < page.index("<img") < page.index(">wide</div>")  # titles above
+    assert (
+        page.index(">narrow</div>") < page.index("<img") < page.index(">wide</div>")
+    )  # titles above
 
 
 def test_without_matplotlib_or_system_dot_the_png_is_left_out(no_system_dot, monkeypatch):
@@ -852,7 +942,9 @@ def test_collapsed_module_boxes_add_up_to_the_caption(checkpoint_every):
         if "shape=box3d" in entry:  # a module: "saved X" and perhaps "dropped Y"
             for kind, size in re.findall(r"^(saved|dropped) (.+)$", text, re.MULTILINE):
                 amount = label_bytes(size)
-                saved, dropped = (saved + amount, dropped) if kind == "saved" else (saved, dropped + amount)
+                saved, dropped = (
+                    (saved + amount, dropped) if kind == "saved" else (saved, dropped + amount)
+                )
         elif f'fillcolor="{palette.SAVED}"' in entry:
             saved += label_bytes(text.splitlines()[-1])
     assert saved == pytest.approx(graph.saved_bytes, abs=52 * rounded)

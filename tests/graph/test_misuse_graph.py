@@ -1,4 +1,5 @@
-"""ckptlib.graph: every public function says, at the call, which argument is wrong and what it takes.
+"""ckptlib.graph: every public function says, at the call, which argument is wrong and what it
+takes.
 
 One ``Misuse`` row per misuse (tests/_misuse.py): the call, the exception, and words its message
 must contain.
@@ -12,8 +13,16 @@ import torch
 from torch import nn
 
 from ckptlib.graph import (
-    GraphNode, ModuleTrace, SideBySide, autograd_graph, render_png, render_svg, to_dot, torchviz_dot,
-    trace_modules, with_statuses,
+    GraphNode,
+    ModuleTrace,
+    SideBySide,
+    autograd_graph,
+    render_png,
+    render_svg,
+    to_dot,
+    torchviz_dot,
+    trace_modules,
+    with_statuses,
 )
 from ckptlib.graph.raster import svg_to_png
 from tests._misuse import Misuse, assert_refused, rows
@@ -27,69 +36,281 @@ linear = nn.Linear(3, 3)
 
 TABLE = [
     # autograd_graph
-    Misuse("autograd_graph(None)", lambda: autograd_graph(None), TypeError, ("outputs", "tensor", "NoneType")),
+    Misuse(
+        "autograd_graph(None)",
+        lambda: autograd_graph(None),
+        TypeError,
+        ("outputs", "tensor", "NoneType"),
+    ),
     Misuse("autograd_graph('loss')", lambda: autograd_graph("loss"), TypeError, ("outputs", "str")),
     Misuse("autograd_graph([])", lambda: autograd_graph([]), ValueError, ("outputs", "empty")),
-    Misuse("autograd_graph([out, 3])", lambda: autograd_graph([out, 3]), TypeError, ("output #1", "int")),
-    Misuse("autograd_graph(no grad)", lambda: autograd_graph(no_grad), ValueError, ("output #0", "requires_grad=True")),
-    Misuse("autograd_graph(params=list)", lambda: autograd_graph(out, params=[weight]), TypeError, ("params", "nn.Module or a dict", "list")),
-    Misuse("autograd_graph(params key)", lambda: autograd_graph(out, params={1: weight}), TypeError, ("params", "key 1", "strings")),
-    Misuse("autograd_graph(params value)", lambda: autograd_graph(out, params={"a": 3.0}), TypeError,
-     ("params['a']", "float", "not a tensor")),
-    Misuse("autograd_graph(modules=model)", lambda: autograd_graph(out, modules=linear), TypeError, ("modules", "trace_modules", "Linear")),
+    Misuse(
+        "autograd_graph([out, 3])",
+        lambda: autograd_graph([out, 3]),
+        TypeError,
+        ("output #1", "int"),
+    ),
+    Misuse(
+        "autograd_graph(no grad)",
+        lambda: autograd_graph(no_grad),
+        ValueError,
+        ("output #0", "requires_grad=True"),
+    ),
+    Misuse(
+        "autograd_graph(params=list)",
+        lambda: autograd_graph(out, params=[weight]),
+        TypeError,
+        ("params", "nn.Module or a dict", "list"),
+    ),
+    Misuse(
+        "autograd_graph(params key)",
+        lambda: autograd_graph(out, params={1: weight}),
+        TypeError,
+        ("params", "key 1", "strings"),
+    ),
+    Misuse(
+        "autograd_graph(params value)",
+        lambda: autograd_graph(out, params={"a": 3.0}),
+        TypeError,
+        ("params['a']", "float", "not a tensor"),
+    ),
+    Misuse(
+        "autograd_graph(modules=model)",
+        lambda: autograd_graph(out, modules=linear),
+        TypeError,
+        ("modules", "trace_modules", "Linear"),
+    ),
     # to_dot
-    Misuse("to_dot('graph')", lambda: to_dot("graph"), TypeError, ("to_dot", "graph", "AutogradGraph", "str")),
+    Misuse(
+        "to_dot('graph')",
+        lambda: to_dot("graph"),
+        TypeError,
+        ("to_dot", "graph", "AutogradGraph", "str"),
+    ),
     Misuse("to_dot(None)", lambda: to_dot(None), TypeError, ("to_dot", "graph", "NoneType")),
-    Misuse("to_dot(tensor without grad)", lambda: to_dot(no_grad), ValueError, ("to_dot", "requires_grad=True")),
-    Misuse("to_dot(collapse='layer')", lambda: to_dot(graph, collapse="layer"), ValueError, ("collapse='layer'", "'module'")),
-    Misuse("to_dot(collapse=True)", lambda: to_dot(graph, collapse=True), TypeError, ("collapse", "bool", "'module'")),
-    Misuse("to_dot(collapse='module') untraced", lambda: to_dot(graph, collapse="module"), ValueError, ("trace_modules", "modules=modules")),
-    Misuse("to_dot(depth=0)", lambda: to_dot(graph, depth=0), ValueError, ("depth=0", "depth >= 1")),
-    Misuse("to_dot(depth='2')", lambda: to_dot(graph, depth="2"), TypeError, ("depth", "int", "str")),
+    Misuse(
+        "to_dot(tensor without grad)",
+        lambda: to_dot(no_grad),
+        ValueError,
+        ("to_dot", "requires_grad=True"),
+    ),
+    Misuse(
+        "to_dot(collapse='layer')",
+        lambda: to_dot(graph, collapse="layer"),
+        ValueError,
+        ("collapse='layer'", "'module'"),
+    ),
+    Misuse(
+        "to_dot(collapse=True)",
+        lambda: to_dot(graph, collapse=True),
+        TypeError,
+        ("collapse", "bool", "'module'"),
+    ),
+    Misuse(
+        "to_dot(collapse='module') untraced",
+        lambda: to_dot(graph, collapse="module"),
+        ValueError,
+        ("trace_modules", "modules=modules"),
+    ),
+    Misuse(
+        "to_dot(depth=0)", lambda: to_dot(graph, depth=0), ValueError, ("depth=0", "depth >= 1")
+    ),
+    Misuse(
+        "to_dot(depth='2')", lambda: to_dot(graph, depth="2"), TypeError, ("depth", "int", "str")
+    ),
     Misuse("to_dot(depth=True)", lambda: to_dot(graph, depth=True), TypeError, ("depth", "bool")),
-    Misuse("to_dot(legend='no')", lambda: to_dot(graph, legend="no"), TypeError, ("legend", "True or False", "str")),
+    Misuse(
+        "to_dot(legend='no')",
+        lambda: to_dot(graph, legend="no"),
+        TypeError,
+        ("legend", "True or False", "str"),
+    ),
     # render_svg / render_png
-    Misuse("render_svg(None)", lambda: render_svg(None), TypeError, ("render_svg", "DOT source", "NoneType")),
-    Misuse("render_svg(42)", lambda: render_svg(42), TypeError, ("render_svg", "AutogradGraph", "int")),
-    Misuse("render_svg(tensor without grad)", lambda: render_svg(no_grad), ValueError, ("render_svg", "requires_grad=True")),
-    Misuse("render_svg(bad DOT)", lambda: render_svg("digraph { a -> }"), ValueError, ("render_svg", "rejected")),
+    Misuse(
+        "render_svg(None)",
+        lambda: render_svg(None),
+        TypeError,
+        ("render_svg", "DOT source", "NoneType"),
+    ),
+    Misuse(
+        "render_svg(42)", lambda: render_svg(42), TypeError, ("render_svg", "AutogradGraph", "int")
+    ),
+    Misuse(
+        "render_svg(tensor without grad)",
+        lambda: render_svg(no_grad),
+        ValueError,
+        ("render_svg", "requires_grad=True"),
+    ),
+    Misuse(
+        "render_svg(bad DOT)",
+        lambda: render_svg("digraph { a -> }"),
+        ValueError,
+        ("render_svg", "rejected"),
+    ),
     Misuse("render_png(None)", lambda: render_png(None), TypeError, ("render_png", "NoneType")),
-    Misuse("render_png(dpi='high')", lambda: render_png(graph, dpi="high"), TypeError, ("dpi", "int", "str")),
+    Misuse(
+        "render_png(dpi='high')",
+        lambda: render_png(graph, dpi="high"),
+        TypeError,
+        ("dpi", "int", "str"),
+    ),
     Misuse("render_png(dpi=0)", lambda: render_png(graph, dpi=0), ValueError, ("dpi=0", "96")),
-    Misuse("render_svg(max_nodes=0)", lambda: render_svg(graph, max_nodes=0), ValueError, ("render_svg", "max_nodes", ">= 1", "got 0")),
-    Misuse("render_svg(max_nodes='10')", lambda: render_svg(graph, max_nodes="10"), TypeError, ("render_svg", "max_nodes", "integer", "str")),
-    Misuse("render_svg(max_nodes=True)", lambda: render_svg(graph, max_nodes=True), TypeError, ("render_svg", "max_nodes", "bool")),
-    Misuse("render_svg(too many nodes)", lambda: render_svg(graph, max_nodes=3), ValueError, ("render_svg", "the drawing has 6 nodes", "max_nodes=3", "collapse=", "max_nodes=None")),
-    Misuse("render_svg(timeout_s=0)", lambda: render_svg(graph, timeout_s=0), ValueError, ("render_svg", "timeout_s", "> 0", "got 0")),
-    Misuse("render_svg(timeout_s='5')", lambda: render_svg(graph, timeout_s="5"), TypeError, ("render_svg", "timeout_s", "number of seconds", "str")),
-    Misuse("render_png(timeout_s=-1)", lambda: render_png(graph, timeout_s=-1), ValueError, ("render_png", "timeout_s", "got -1")),
-    Misuse("render_png(too many nodes)", lambda: render_png(graph, max_nodes=1), ValueError, ("render_png", "6 nodes", "max_nodes=1")),
-    Misuse("svg_to_png(None)", lambda: svg_to_png(None), TypeError, ("svg_to_png", "str", "NoneType")),
-    Misuse("svg_to_png('not svg')", lambda: svg_to_png("not svg"), ValueError, ("svg_to_png", "not SVG")),
-    Misuse("svg_to_png(<html>)", lambda: svg_to_png("<html/>"), ValueError, ("svg_to_png", "<html>")),
+    Misuse(
+        "render_svg(max_nodes=0)",
+        lambda: render_svg(graph, max_nodes=0),
+        ValueError,
+        ("render_svg", "max_nodes", ">= 1", "got 0"),
+    ),
+    Misuse(
+        "render_svg(max_nodes='10')",
+        lambda: render_svg(graph, max_nodes="10"),
+        TypeError,
+        ("render_svg", "max_nodes", "integer", "str"),
+    ),
+    Misuse(
+        "render_svg(max_nodes=True)",
+        lambda: render_svg(graph, max_nodes=True),
+        TypeError,
+        ("render_svg", "max_nodes", "bool"),
+    ),
+    Misuse(
+        "render_svg(too many nodes)",
+        lambda: render_svg(graph, max_nodes=3),
+        ValueError,
+        ("render_svg", "the drawing has 6 nodes", "max_nodes=3", "collapse=", "max_nodes=None"),
+    ),
+    Misuse(
+        "render_svg(timeout_s=0)",
+        lambda: render_svg(graph, timeout_s=0),
+        ValueError,
+        ("render_svg", "timeout_s", "> 0", "got 0"),
+    ),
+    Misuse(
+        "render_svg(timeout_s='5')",
+        lambda: render_svg(graph, timeout_s="5"),
+        TypeError,
+        ("render_svg", "timeout_s", "number of seconds", "str"),
+    ),
+    Misuse(
+        "render_png(timeout_s=-1)",
+        lambda: render_png(graph, timeout_s=-1),
+        ValueError,
+        ("render_png", "timeout_s", "got -1"),
+    ),
+    Misuse(
+        "render_png(too many nodes)",
+        lambda: render_png(graph, max_nodes=1),
+        ValueError,
+        ("render_png", "6 nodes", "max_nodes=1"),
+    ),
+    Misuse(
+        "svg_to_png(None)", lambda: svg_to_png(None), TypeError, ("svg_to_png", "str", "NoneType")
+    ),
+    Misuse(
+        "svg_to_png('not svg')",
+        lambda: svg_to_png("not svg"),
+        ValueError,
+        ("svg_to_png", "not SVG"),
+    ),
+    Misuse(
+        "svg_to_png(<html>)", lambda: svg_to_png("<html/>"), ValueError, ("svg_to_png", "<html>")
+    ),
     # trace_modules / ModuleTrace
-    Misuse("trace_modules(None)", lambda: trace_modules(None), TypeError, ("trace_modules", "nn.Module", "NoneType")),
-    Misuse("trace_modules(function)", lambda: trace_modules(lambda t: t), TypeError, ("trace_modules", "function")),
-    Misuse("ModuleTrace('model')", lambda: ModuleTrace("model"), TypeError, ("ModuleTrace", "nn.Module", "str")),
+    Misuse(
+        "trace_modules(None)",
+        lambda: trace_modules(None),
+        TypeError,
+        ("trace_modules", "nn.Module", "NoneType"),
+    ),
+    Misuse(
+        "trace_modules(function)",
+        lambda: trace_modules(lambda t: t),
+        TypeError,
+        ("trace_modules", "function"),
+    ),
+    Misuse(
+        "ModuleTrace('model')",
+        lambda: ModuleTrace("model"),
+        TypeError,
+        ("ModuleTrace", "nn.Module", "str"),
+    ),
     # torchviz_dot / SideBySide
-    Misuse("torchviz_dot(None)", lambda: torchviz_dot(None), TypeError, ("torchviz_dot", "outputs", "NoneType")),
-    Misuse("torchviz_dot(params=list)", lambda: torchviz_dot(out, params=[weight]), TypeError, ("torchviz_dot", "params", "list")),
+    Misuse(
+        "torchviz_dot(None)",
+        lambda: torchviz_dot(None),
+        TypeError,
+        ("torchviz_dot", "outputs", "NoneType"),
+    ),
+    Misuse(
+        "torchviz_dot(params=list)",
+        lambda: torchviz_dot(out, params=[weight]),
+        TypeError,
+        ("torchviz_dot", "params", "list"),
+    ),
     Misuse("SideBySide()", lambda: SideBySide(), ValueError, ("SideBySide", "at least one graph")),
     Misuse("SideBySide(3)", lambda: SideBySide(3), TypeError, ("SideBySide", "graph #0", "int")),
-    Misuse("SideBySide(titles='ab')", lambda: SideBySide(graph, titles="ab"), TypeError, ("titles", "list of strings")),
-    Misuse("SideBySide(too many titles)", lambda: SideBySide(graph, titles=["a", "b"]), ValueError, ("2 titles for 1 graphs",)),
+    Misuse(
+        "SideBySide(titles='ab')",
+        lambda: SideBySide(graph, titles="ab"),
+        TypeError,
+        ("titles", "list of strings"),
+    ),
+    Misuse(
+        "SideBySide(too many titles)",
+        lambda: SideBySide(graph, titles=["a", "b"]),
+        ValueError,
+        ("2 titles for 1 graphs",),
+    ),
     # with_statuses, the graph's own data
-    Misuse("with_statuses('g')", lambda: with_statuses("g", {}), TypeError, ("with_statuses", "AutogradGraph", "str")),
-    Misuse("with_statuses(list)", lambda: with_statuses(graph, [("n0", "self")]), TypeError, ("statuses", "dict", "list")),
-    Misuse("with_statuses(key)", lambda: with_statuses(graph, {"n0": "freed"}), TypeError, ("key 'n0'", "pair")),
-    Misuse("with_statuses('released')", lambda: with_statuses(graph, {("n1", "result"): "released"}), ValueError, ("'released'", "'freed'")),
-    Misuse("with_statuses(no node)", lambda: with_statuses(graph, {("n99", "result"): "freed"}), KeyError, ("n99",)),
-    Misuse("with_statuses(no tensor)", lambda: with_statuses(graph, {("n1", "nope"): "freed"}), KeyError,
-     ("n1", "ExpBackward0", "'nope'", "['result']")),
+    Misuse(
+        "with_statuses('g')",
+        lambda: with_statuses("g", {}),
+        TypeError,
+        ("with_statuses", "AutogradGraph", "str"),
+    ),
+    Misuse(
+        "with_statuses(list)",
+        lambda: with_statuses(graph, [("n0", "self")]),
+        TypeError,
+        ("statuses", "dict", "list"),
+    ),
+    Misuse(
+        "with_statuses(key)",
+        lambda: with_statuses(graph, {"n0": "freed"}),
+        TypeError,
+        ("key 'n0'", "pair"),
+    ),
+    Misuse(
+        "with_statuses('released')",
+        lambda: with_statuses(graph, {("n1", "result"): "released"}),
+        ValueError,
+        ("'released'", "'freed'"),
+    ),
+    Misuse(
+        "with_statuses(no node)",
+        lambda: with_statuses(graph, {("n99", "result"): "freed"}),
+        KeyError,
+        ("n99",),
+    ),
+    Misuse(
+        "with_statuses(no tensor)",
+        lambda: with_statuses(graph, {("n1", "nope"): "freed"}),
+        KeyError,
+        ("n1", "ExpBackward0", "'nope'", "['result']"),
+    ),
     Misuse("graph['n99']", lambda: graph["n99"], KeyError, ("n99", "n0..")),
-    Misuse("SavedTensor(status='released')",
-     lambda: dataclasses.replace(graph["n1"].saved[0], status="released"), ValueError, ("status='released'", "'freed'")),
-    Misuse("GraphNode(kind='tensor')", lambda: GraphNode("n0", "tensor", None), ValueError, ("kind='tensor'", "'op'")),
+    Misuse(
+        "SavedTensor(status='released')",
+        lambda: dataclasses.replace(graph["n1"].saved[0], status="released"),
+        ValueError,
+        ("status='released'", "'freed'"),
+    ),
+    Misuse(
+        "GraphNode(kind='tensor')",
+        lambda: GraphNode("n0", "tensor", None),
+        ValueError,
+        ("kind='tensor'", "'op'"),
+    ),
 ]
 
 
@@ -102,7 +323,11 @@ def test_every_public_name_has_a_misuse_row():
     import ckptlib.graph
 
     callables = {name for name in ckptlib.graph.__all__ if callable(getattr(ckptlib.graph, name))}
-    data_only = {"AutogradGraph", "SavedTensor", "NotebookDigraph"}  # built by the library; checked via replace
+    data_only = {
+        "AutogradGraph",
+        "SavedTensor",
+        "NotebookDigraph",
+    }  # built by the library; checked via replace
     covered = {row.id.split("(")[0].split("[")[0] for row in TABLE} | {"AutogradGraph"}
     assert callables - data_only - covered == set()
 

@@ -1,4 +1,6 @@
-"""ckptlib.inspect: what autograd saves, counted by hand on small models, with and without checkpoints."""
+"""ckptlib.inspect: what autograd saves, counted by hand on small models, with and without
+checkpoints."""
+
 from __future__ import annotations
 
 import json
@@ -34,15 +36,20 @@ def test_plain_mlp_keeps_input_and_one_output_per_block(depth):
     # (mat2, a view of the parameter); ReLU saves its output, the next Linear's input.
     expected = [("blocks.0.0", "AddmmBackward0", "mat1"), ("blocks.0.1", "ReluBackward0", "result")]
     for i in range(1, depth):
-        expected += [(f"blocks.{i}.0", "AddmmBackward0", "mat1"), (f"blocks.{i}.0", "AddmmBackward0", "mat2"),
-                     (f"blocks.{i}.1", "ReluBackward0", "result")]
+        expected += [
+            (f"blocks.{i}.0", "AddmmBackward0", "mat1"),
+            (f"blocks.{i}.0", "AddmmBackward0", "mat2"),
+            (f"blocks.{i}.1", "ReluBackward0", "result"),
+        ]
     assert [(row.module, row.node, row.attribute) for row in saved.rows] == expected
     assert len(saved) == 3 * depth - 1          # x needs no gradient: no weight saved in block 0
     assert saved.kept_bytes == (depth + 1) * a  # x and the D ReLU outputs, each storage once
     assert saved.state_bytes == (depth - 1) * 4 * width * width
     assert saved.dropped_bytes == 0
     relu_output = {row.storage for row in saved.rows if row.module == "blocks.0.1"}
-    next_input = {row.storage for row in saved.rows if row.module == "blocks.1.0" and row.attribute == "mat1"}
+    next_input = {
+        row.storage for row in saved.rows if row.module == "blocks.1.0" and row.attribute == "mat1"
+    }
     assert depth == 1 or relu_output == next_input
 
 
@@ -70,8 +77,11 @@ def test_checkpoint_per_block_moves_bytes_from_kept_to_dropped():
     assert report.kept_bytes == depth * a and report.dropped_bytes == a
 
 
-@pytest.mark.parametrize("make, mode", [(lambda: MLPChain(6, 8), "sqrt"), (small_transformer, "block")],
-                         ids=["mlp", "transformer"])
+@pytest.mark.parametrize(
+    "make, mode",
+    [(lambda: MLPChain(6, 8), "sqrt"), (small_transformer, "block")],
+    ids=["mlp", "transformer"],
+)
 def test_checkpointing_moves_saved_bytes_without_losing_any(make, mode):
     model = make()
     batch = model.example_batch(batch=4)
@@ -111,7 +121,9 @@ def test_nested_plan_regions_keep_only_the_outer_input():
     x, _ = model.example_batch(4)
     report = saved_tensors_report(lambda: model(x))
     inputs = [row for row in report.rows if row.node == "checkpoint"]
-    assert len(inputs) == 1 and inputs[0].storage == report.rows[1].storage  # x, then dropped by block 0
+    assert (
+        len(inputs) == 1 and inputs[0].storage == report.rows[1].storage
+    )  # x, then dropped by block 0
     assert len({row.region for row in report.rows if row.status == "dropped"}) == 3
 
 
@@ -163,8 +175,10 @@ def test_custom_function_saves_are_named_by_the_next_call():
 
     x = torch.randn(3, requires_grad=True)
     report = saved_tensors_report(lambda: Square.apply(x).sin())
-    assert [(row.node, row.attribute) for row in report.rows] == [("SquareBackward", "saved_tensors"),
-                                                                 ("SinBackward0", "self")]
+    assert [(row.node, row.attribute) for row in report.rows] == [
+        ("SquareBackward", "saved_tensors"),
+        ("SinBackward0", "self"),
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -181,13 +195,15 @@ def test_walking_a_plain_graph_finds_what_recording_found():
     key = lambda row: (row.node, row.attribute, row.shape, row.dtype, row.kind)  # noqa: E731
     # `scores * (1 / sqrt(d_head))` saves the Python number as a 0-dim float64 tensor that
     # autograd never passes to saved-tensor hooks: only the walk sees it (once per block).
-    scalars = [row for row in walked.rows if key(row)[:4] == ("MulBackward0", "other", (), torch.float64)]
+    scalars = [
+        row for row in walked.rows if key(row)[:4] == ("MulBackward0", "other", (), torch.float64)
+    ]
     assert len(scalars) == 2
     assert sorted((key(row) for row in walked.rows if row not in scalars), key=str) == sorted(
         map(key, recorded.rows), key=str)
     assert walked.kept_bytes == recorded.kept_bytes + 2 * 8
     assert {row.module for row in walked.rows} == {""}  # a graph does not know its modules
-    unaided = saved_tensors_report(loss)                 # without the model: the mask looks like an activation
+    unaided = saved_tensors_report(loss)  # without the model: the mask looks like an activation
     assert unaided.kept_bytes == walked.kept_bytes + 2 * 8 * 8
 
 
@@ -280,7 +296,9 @@ def test_the_table_is_deterministic_across_runs():
     model = small_transformer(checkpointing="block")
     batch = model.example_batch(batch=2)
     first = str(saved_tensors_report(lambda: model.loss(batch)))
-    second = str(saved_tensors_report(lambda: model.loss(batch)))  # new region numbers inside ckptlib
+    second = str(
+        saved_tensors_report(lambda: model.loss(batch))
+    )  # new region numbers inside ckptlib
     assert first == second
     assert "TransformerBlock#1" in first and "0x" not in first and "@" not in first
 
@@ -289,10 +307,14 @@ def test_table_layout():
     x = torch.randn(2, 3, requires_grad=True)
     report = saved_tensors_report(lambda: checkpoint(torch.sin, x).exp())
     assert str(report).splitlines() == [
-        "module  op          node          saved   shape  dtype    bytes  storage  kind        status   region",
-        "-       checkpoint  checkpoint    input   2x3    float32  24 B   s0       activation  kept     sin#0",
-        "-       sin         SinBackward0  self    2x3    float32  24 B   s0       activation  dropped  sin#0",
-        "-       exp         ExpBackward0  result  2x3    float32  24 B   s1       activation  kept     -",
+        "module  op          node          saved   shape  dtype    bytes  storage  kind        "
+        "status   region",
+        "-       checkpoint  checkpoint    input   2x3    float32  24 B   s0       activation  "
+        "kept     sin#0",
+        "-       sin         SinBackward0  self    2x3    float32  24 B   s0       activation  "
+        "dropped  sin#0",
+        "-       exp         ExpBackward0  result  2x3    float32  24 B   s1       activation  "
+        "kept     -",
         "activations kept: 48 B in 2 storages",
         "activations dropped by checkpoints: 0 B",
     ]
@@ -303,9 +325,20 @@ def test_records_are_plain_json():
     model = MLPChain(2, 8)
     report = saved_tensors_report(lambda: model.loss(model.example_batch(4)))
     records = json.loads(json.dumps(report.records()))
-    assert records[0] == {"module": "blocks.0.0", "op": "linear", "node": "AddmmBackward0", "attribute": "mat1",
-                          "shape": [4, 8], "dtype": "float32", "nbytes": 128, "storage": "s0",
-                          "storage_bytes": 128, "kind": "activation", "status": "kept", "region": ""}
+    assert records[0] == {
+        "module": "blocks.0.0",
+        "op": "linear",
+        "node": "AddmmBackward0",
+        "attribute": "mat1",
+        "shape": [4, 8],
+        "dtype": "float32",
+        "nbytes": 128,
+        "storage": "s0",
+        "storage_bytes": 128,
+        "kind": "activation",
+        "status": "kept",
+        "region": "",
+    }
     assert records[-1]["op"] == "mse_loss" and records[-1]["module"] == ""
 
 

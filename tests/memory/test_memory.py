@@ -131,7 +131,9 @@ def _segmented_step_peak(checkpoint_fn, depth, width, batch, k) -> int:
 SEGMENTED_CASES = [(6, 8, 64, 2), (6, 8, 64, 3), (8, 4, 64, 2), (12, 4, 128, 3), (12, 4, 128, 4)]
 
 
-@pytest.mark.parametrize("checkpoint_fn", [checkpoint, torch_non_reentrant], ids=["ckptlib", "torch"])
+@pytest.mark.parametrize(
+    "checkpoint_fn", [checkpoint, torch_non_reentrant], ids=["ckptlib", "torch"]
+)
 @pytest.mark.parametrize("depth, width, batch, k", SEGMENTED_CASES)
 def test_segmented_training_step_peak(checkpoint_fn, depth, width, batch, k):
     a, g = sizes(depth, width, batch)
@@ -149,7 +151,10 @@ def test_checkpointing_a_whole_chain_recomputes_it_all():
 
 def test_sqrt_segments_minimise_the_step_peak():
     depth, width, batch = 12, 4, 128
-    peaks = {k: _segmented_step_peak(torch_non_reentrant, depth, width, batch, k) for k in (2, 3, 4, 6, 12)}
+    peaks = {
+        k: _segmented_step_peak(torch_non_reentrant, depth, width, batch, k)
+        for k in (2, 3, 4, 6, 12)
+    }
     assert min(peaks, key=peaks.get) in (3, 4)          # sqrt(12) = 3.46
     assert peaks[3] < peaks[2] < peaks[12] and peaks[4] < peaks[6] < peaks[12]
 
@@ -381,7 +386,7 @@ def test_ops_in_a_thread_without_the_meter_are_not_seen():
     with MemoryMeter() as meter:
         y = x.exp()                              # saves its result: 256 bytes
         ops_before = len(meter.timeline)
-        worker = threading.Thread(target=lambda: y.sum().backward())
+        worker = threading.Thread(target=lambda: y.sum().backward())  # noqa: F821 (deleted after)
         worker.start()
         worker.join()
         del y                                    # the graph was freed by that backward

@@ -1,4 +1,6 @@
-"""ckptlib.apply_checkpointing on plain PyTorch models: what is chosen, what it computes, and undoing it."""
+"""ckptlib.apply_checkpointing on plain PyTorch models: what is chosen, what it computes, and
+undoing it."""
+
 from __future__ import annotations
 
 import warnings
@@ -21,7 +23,9 @@ class Block(nn.Module):
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width)
 
-    def forward(self, x: torch.Tensor, *, mask: torch.Tensor | None = None, scale: float = 1.0) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, *, mask: torch.Tensor | None = None, scale: float = 1.0
+    ) -> torch.Tensor:
         h = self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
         if mask is not None:
             h = h * mask
@@ -34,7 +38,9 @@ class Net(nn.Module):
         torch.manual_seed(0)
         self.embed = nn.Linear(width, width)
         self.layers = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Sequential(nn.Linear(width, width), nn.Linear(width, 1))   # repeated too, but shorter
+        self.head = nn.Sequential(
+            nn.Linear(width, width), nn.Linear(width, 1)
+        )  # repeated too, but shorter
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
@@ -64,13 +70,21 @@ def assert_bitwise(expected, got) -> None:
         assert torch.equal(expected[1][name], got[1][name]), f"gradient of {name} differs"
 
 
-@pytest.mark.parametrize("how", ["full", "offload", ckptlib.save_matmuls, ckptlib.megatron_attention],
-                         ids=["full", "offload", "save_matmuls", "megatron_attention"])
+@pytest.mark.parametrize(
+    "how",
+    ["full", "offload", ckptlib.save_matmuls, ckptlib.megatron_attention],
+    ids=["full", "offload", "save_matmuls", "megatron_attention"],
+)
 def test_every_way_gives_plain_autograds_loss_and_gradients_bitwise(how):
     model = Net()
     plain = step(model)
     with apply_checkpointing(model, how=how) as handle:
-        assert handle.paths == ["layers.0", "layers.1", "layers.2", "layers.3"]   # not the 2-long head
+        assert handle.paths == [
+            "layers.0",
+            "layers.1",
+            "layers.2",
+            "layers.3",
+        ]  # not the 2-long head
         with record_trace() as trace:
             assert_bitwise(plain, step(model))
     assert trace.count("recompute") == (0 if how == "offload" else 4)
@@ -96,8 +110,14 @@ def test_selection_by_class_pattern_and_predicate_and_nested_ones_are_left_to_th
     remove_checkpointing(model)
     assert apply_checkpointing(model, ["embed", "head.*"]).paths == ["embed", "head.0", "head.1"]
     remove_checkpointing(model)
-    chosen = apply_checkpointing(model, lambda path, module: isinstance(module, nn.Linear) or path == "layers.1")
-    assert "layers.1" in chosen.paths and "layers.1.up" not in chosen.paths and "layers.0.up" in chosen.paths
+    chosen = apply_checkpointing(
+        model, lambda path, module: isinstance(module, nn.Linear) or path == "layers.1"
+    )
+    assert (
+        "layers.1" in chosen.paths
+        and "layers.1.up" not in chosen.paths
+        and "layers.0.up" in chosen.paths
+    )
     remove_checkpointing(model)
 
 
@@ -106,7 +126,9 @@ def test_state_dict_keys_and_parameters_unchanged_and_remove_gives_the_modules_t
     keys, names = list(model.state_dict()), [name for name, _ in model.named_parameters()]
     before = model(*batch())
     handle = apply_checkpointing(model)
-    assert list(model.state_dict()) == keys and [name for name, _ in model.named_parameters()] == names
+    assert (
+        list(model.state_dict()) == keys and [name for name, _ in model.named_parameters()] == names
+    )
     assert all("forward" in vars(layer) for layer in model.layers)
     handle.remove()
     assert all("forward" not in vars(layer) for layer in model.layers)
@@ -150,8 +172,11 @@ def test_regions_are_named_by_module_path_in_traces_and_errors():
 
 def test_refusals_name_what_to_do_and_leave_the_model_as_it_was():
     model = Net()
-    with pytest.raises(ValueError, match=r"select='blocks\.\*' matches no module of Net; its modules are named "
-                                         r"like embed, layers, layers\.0"):
+    with pytest.raises(
+        ValueError,
+        match=r"select='blocks\.\*' matches no module of Net; its modules are named "
+        r"like embed, layers, layers\.0",
+    ):
         apply_checkpointing(model, "blocks.*")
     with pytest.raises(ValueError, match="how='everything' is not known; use 'full', 'offload'"):
         apply_checkpointing(model, how="everything")
@@ -199,7 +224,8 @@ from ckptlib.model_plan import ModuleCost, _fastest_within, _peak, plan_checkpoi
 
 
 def kept_after_forward(model: nn.Module, *inputs, **keyword_inputs) -> int:
-    """Bytes autograd keeps for backward at the end of the forward (parameters excluded), counted from outside."""
+    """Bytes autograd keeps for backward at the end of the forward (parameters excluded), counted
+    from outside."""
     state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, int] = {}
 
@@ -231,11 +257,25 @@ def test_the_plan_predicts_exactly_what_autograd_keeps_and_fits_its_budget():
 def test_the_same_plan_on_every_run_and_a_table_that_shows_it():
     model = Net(depth=6)
     plain = plan_checkpointing(model, batch(), budget_bytes=10**9)
-    plans = [plan_checkpointing(Net(depth=6), batch(), budget_bytes=plain.saved_bytes // 2) for _ in range(2)]
+    plans = [
+        plan_checkpointing(Net(depth=6), batch(), budget_bytes=plain.saved_bytes // 2)
+        for _ in range(2)
+    ]
     assert plans[0] == plans[1]
     table = str(plans[0]).splitlines()
-    assert table[0].split() == ["module", "checkpointed", "bytes", "kept", "bytes", "dropped", "rerun", "FLOPs"]
-    assert len(table) == 1 + 6 + 1 and all(line.startswith(f"layers.{i} ") for i, line in enumerate(table[1:7]))
+    assert table[0].split() == [
+        "module",
+        "checkpointed",
+        "bytes",
+        "kept",
+        "bytes",
+        "dropped",
+        "rerun",
+        "FLOPs",
+    ]
+    assert len(table) == 1 + 6 + 1 and all(
+        line.startswith(f"layers.{i} ") for i, line in enumerate(table[1:7])
+    )
     assert f"budget {plain.saved_bytes // 2:,}" in table[-1]
 
 
@@ -243,12 +283,23 @@ def test_the_solver_finds_the_least_flops_that_fit_as_brute_force_does():
     generator = torch.Generator().manual_seed(0)
     for _ in range(40):
         n = int(torch.randint(1, 7, (1,), generator=generator))
-        costs = tuple(ModuleCost(f"m{i}", int(torch.randint(1, 50, (1,), generator=generator)), 0,
-                                 int(torch.randint(1, 50, (1,), generator=generator))) for i in range(n))
+        costs = tuple(
+            ModuleCost(
+                f"m{i}",
+                int(torch.randint(1, 50, (1,), generator=generator)),
+                0,
+                int(torch.randint(1, 50, (1,), generator=generator)),
+            )
+            for i in range(n)
+        )
         saved = sum(c.dropped_bytes for c in costs) + 20
         budget = int(torch.randint(20, saved + 5, (1,), generator=generator))
-        fitting = [subset for k in range(n + 1) for subset in combinations(costs, k)
-                   if (_peak(saved, [c.dropped_bytes for c in subset]) if subset else saved) <= budget]
+        fitting = [
+            subset
+            for k in range(n + 1)
+            for subset in combinations(costs, k)
+            if (_peak(saved, [c.dropped_bytes for c in subset]) if subset else saved) <= budget
+        ]
         try:
             chosen = _fastest_within(costs, saved, budget)
         except ValueError:
@@ -260,9 +311,12 @@ def test_the_solver_finds_the_least_flops_that_fit_as_brute_force_does():
 
 def test_a_budget_no_plan_fits_names_the_least_one():
     model = Net()
-    with pytest.raises(ValueError, match=r"no choice of the 4 candidate modules keeps the activations within "
-                                         r"1,000 bytes: plain autograd keeps [\d,]+, and checkpointing every "
-                                         r"candidate still [\d,]+\. Raise budget_bytes"):
+    with pytest.raises(
+        ValueError,
+        match=r"no choice of the 4 candidate modules keeps the activations within "
+        r"1,000 bytes: plain autograd keeps [\d,]+, and checkpointing every "
+        r"candidate still [\d,]+\. Raise budget_bytes",
+    ):
         plan_checkpointing(model, batch(), budget_bytes=1000)
     assert_nothing_installed()
 
@@ -278,9 +332,14 @@ def test_checkpoint_sequential_passes_the_layers_keyword_arguments_and_refuses_a
         out = layer(out, mask=mask, scale=0.5)
     out.sum().backward()
     got = x.clone().requires_grad_()
-    checkpointed = checkpoint_sequential(model.layers, 2, got, layer_kwargs={"mask": mask, "scale": 0.5})
+    checkpointed = checkpoint_sequential(
+        model.layers, 2, got, layer_kwargs={"mask": mask, "scale": 0.5}
+    )
     checkpointed.sum().backward()
     assert torch.equal(checkpointed, out) and torch.equal(got.grad, expected.grad)
-    with pytest.raises(TypeError, match=r"layer_kwargs must be a dict of keyword arguments for every layer.*got tuple"):
+    with pytest.raises(
+        TypeError,
+        match=r"layer_kwargs must be a dict of keyword arguments for every layer.*got tuple",
+    ):
         checkpoint_sequential(model.layers, 2, x, layer_kwargs=(mask,))
     assert_nothing_installed()

@@ -17,7 +17,8 @@ from tests._misuse import assert_nothing_installed
 from tests.models.test_apply import kept_after_forward
 
 transformers = pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
-transformers.logging.set_verbosity_error()   # config notes about random-weight models, not ours to test
+# config notes about random-weight models, not ours to test
+transformers.logging.set_verbosity_error()
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "huggingface.md"
 VOCAB = 128
@@ -25,16 +26,31 @@ VOCAB = 128
 
 def gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=VOCAB,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=4,
+        n_embd=64,
+        n_head=4,
+        n_positions=64,
+        vocab_size=VOCAB,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.GPT2LMHeadModel(config).train()
 
 
 def llama() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-                                      max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=4,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.LlamaForCausalLM(config).train()
 
 
@@ -49,10 +65,17 @@ def step(model, attention_mask=PADDED, **kwargs):
     """One training step with the same dropout masks every time (GPT-2's dropout is on)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1234)
-    loss = model(input_ids=INPUT_IDS, attention_mask=attention_mask, labels=INPUT_IDS, use_cache=False,
-                 **kwargs).loss
+    loss = model(
+        input_ids=INPUT_IDS,
+        attention_mask=attention_mask,
+        labels=INPUT_IDS,
+        use_cache=False,
+        **kwargs,
+    ).loss
     loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), {
+        name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None
+    }
 
 
 def assert_bitwise(expected, got) -> None:
@@ -68,10 +91,14 @@ def model_and_layers(request):
     return make(), layers
 
 
-def test_apply_checkpointing_is_bitwise_plain_autograd_and_hfs_switch_with_padding(model_and_layers):
+def test_apply_checkpointing_is_bitwise_plain_autograd_and_hfs_switch_with_padding(
+    model_and_layers,
+):
     model, layers = model_and_layers
     plain = step(model)
-    assert not torch.equal(step(model, attention_mask=None)[0], plain[0])   # the padding mask matters
+    assert not torch.equal(
+        step(model, attention_mask=None)[0], plain[0]
+    )  # the padding mask matters
     keys = list(model.state_dict())
     with apply_checkpointing(model) as handle:
         assert handle.paths == [f"{layers}.{i}" for i in range(4)]
@@ -88,8 +115,11 @@ def test_apply_checkpointing_is_bitwise_plain_autograd_and_hfs_switch_with_paddi
 def test_every_n_matches_hfs_every_n_layers(model_and_layers):
     model, layers = model_and_layers
     model.activation_checkpointing_enable(every_n_layers=2)
-    hf_chosen = [path for path, module in model.named_modules() if getattr(module, "gradient_checkpointing", False)
-                 and path.startswith(layers + ".")]
+    hf_chosen = [
+        path
+        for path, module in model.named_modules()
+        if getattr(module, "gradient_checkpointing", False) and path.startswith(layers + ".")
+    ]
     hf = step(model)
     model.activation_checkpointing_disable()
     with apply_checkpointing(model, every_n=2) as handle:
@@ -125,10 +155,16 @@ def test_the_cache_is_left_out_of_checkpointed_calls_with_one_warning_and_kept_w
             for _ in range(2):
                 model.zero_grad(set_to_none=True)
                 torch.manual_seed(1234)
-                loss = model(input_ids=INPUT_IDS, attention_mask=PADDED, labels=INPUT_IDS, use_cache=True).loss
+                loss = model(
+                    input_ids=INPUT_IDS, attention_mask=PADDED, labels=INPUT_IDS, use_cache=True
+                ).loss
                 loss.backward()
         messages = [str(w.message) for w in caught if "apply_checkpointing" in str(w.message)]
-        assert len(messages) == 1 and "use_cache=False" in messages[0] and "DynamicCache" in messages[0]
+        assert (
+            len(messages) == 1
+            and "use_cache=False" in messages[0]
+            and "DynamicCache" in messages[0]
+        )
         assert torch.equal(loss.detach(), plain[0])
         with warnings.catch_warnings():
             warnings.simplefilter("error")
@@ -144,7 +180,9 @@ def test_errors_name_the_layer_by_module_path():
         loss = model(input_ids=INPUT_IDS, labels=INPUT_IDS, use_cache=False).loss
         with torch.no_grad():
             model.transformer.h[1].mlp.c_fc.weight.add_(1.0)
-        with pytest.raises(CheckpointError, match=r"checkpoint transformer\.h\.1@\d+: .*modified in place"):
+        with pytest.raises(
+            CheckpointError, match=r"checkpoint transformer\.h\.1@\d+: .*modified in place"
+        ):
             loss.backward()
     assert_nothing_installed()
 
@@ -152,8 +190,11 @@ def test_errors_name_the_layer_by_module_path():
 def test_hfs_switch_and_apply_checkpointing_together_are_refused_either_way_round():
     model = gpt2()
     model.activation_checkpointing_enable()
-    with pytest.raises(CheckpointError, match=r"transformer\.h\.0: Hugging Face's gradient checkpointing is on .*"
-                                              r"gradient_checkpointing_disable\(\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"transformer\.h\.0: Hugging Face's gradient checkpointing is on .*"
+        r"gradient_checkpointing_disable\(\)",
+    ):
         apply_checkpointing(model)
     assert not any("forward" in vars(module) for module in model.modules())
     model.activation_checkpointing_disable()
@@ -164,7 +205,9 @@ def test_hfs_switch_and_apply_checkpointing_together_are_refused_either_way_roun
     remove_checkpointing(model)
 
 
-def test_every_snippet_of_the_hugging_face_page_runs_and_checkpoints_with_ckptlib(tmp_path, monkeypatch):
+def test_every_snippet_of_the_hugging_face_page_runs_and_checkpoints_with_ckptlib(
+    tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)              # Trainer's output_dir
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
     assert len(blocks) == 8
@@ -175,16 +218,18 @@ def test_every_snippet_of_the_hugging_face_page_runs_and_checkpoints_with_ckptli
             exec(compile(block, f"docs/huggingface.md block {number}", "exec"), namespace)
         regions.append({event.region.split("@")[0] for event in trace.events})
     model = namespace["hf_model"]
-    assert regions[1] == {f"transformer.h.{i}" for i in range(4)}      # apply_checkpointing
-    assert regions[2] == {"transformer.h.0", "transformer.h.2"}        # every_n=2, as a context manager
+    assert regions[1] == {f"transformer.h.{i}" for i in range(4)}  # apply_checkpointing
+    assert regions[2] == {"transformer.h.0", "transformer.h.2"}  # every_n=2, as a context manager
     assert namespace["handle"].paths == ["transformer.h.0", "transformer.h.2"]
-    assert regions[3] == set()                                         # HF's switch: torch.utils.checkpoint
-    assert regions[4] == {"GPT2Block.forward"}                         # HF's switch, ckptlib's function
-    assert regions[5] == {"GPT2Block.forward"}                         # selective, through HF's switch
+    assert regions[3] == set()  # HF's switch: torch.utils.checkpoint
+    assert regions[4] == {"GPT2Block.forward"}  # HF's switch, ckptlib's function
+    assert regions[5] == {"GPT2Block.forward"}  # selective, through HF's switch
     plans = namespace["plans"]
-    assert (len(plans), plans.recorded, plans.reused) == (4, 4, 4)      # each layer's plan reused
-    assert regions[6] == {f"transformer.h.{i}" for i in range(4)}      # Trainer after apply_checkpointing
-    assert regions[7] == {"GPT2Block.forward"}                         # Trainer's switch, swapped in
+    assert (len(plans), plans.recorded, plans.reused) == (4, 4, 4)  # each layer's plan reused
+    assert regions[6] == {
+        f"transformer.h.{i}" for i in range(4)
+    }  # Trainer after apply_checkpointing
+    assert regions[7] == {"GPT2Block.forward"}  # Trainer's switch, swapped in
     assert not any("forward" in vars(module) for module in model.modules())
 
 
@@ -193,7 +238,12 @@ def test_the_readmes_three_lines_run_on_a_hugging_face_model():
     section = readme.split("## Use it on your model", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
     model = gpt2()
-    batch = {"input_ids": INPUT_IDS, "attention_mask": PADDED, "labels": INPUT_IDS, "use_cache": False}
+    batch = {
+        "input_ids": INPUT_IDS,
+        "attention_mask": PADDED,
+        "labels": INPUT_IDS,
+        "use_cache": False,
+    }
     torch.manual_seed(1234)
     expected = model(**batch).loss
     torch.manual_seed(1234)
@@ -206,15 +256,24 @@ def test_the_readmes_three_lines_run_on_a_hugging_face_model():
 
 
 def test_plan_checkpointing_on_llama_is_the_same_twice_predicts_what_is_kept_and_trains_bitwise():
-    inputs = {"input_ids": INPUT_IDS, "attention_mask": PADDED, "labels": INPUT_IDS, "use_cache": False}
+    inputs = {
+        "input_ids": INPUT_IDS,
+        "attention_mask": PADDED,
+        "labels": INPUT_IDS,
+        "use_cache": False,
+    }
     everything = ckptlib.plan_checkpointing(llama(), inputs, budget_bytes=10**12)
-    plans = [ckptlib.plan_checkpointing(llama(), inputs, budget_bytes=everything.saved_bytes * 7 // 10)
-             for _ in range(2)]
+    plans = [
+        ckptlib.plan_checkpointing(llama(), inputs, budget_bytes=everything.saved_bytes * 7 // 10)
+        for _ in range(2)
+    ]
     assert plans[0] == plans[1] and plans[0].checkpointed
     model = llama()
     plain = step(model)
     with apply_checkpointing(model, plans[0]):
-        assert kept_after_forward(model, **inputs) == plans[0].kept_bytes <= plans[0].budget_bytes   # mask too
+        assert (
+            kept_after_forward(model, **inputs) == plans[0].kept_bytes <= plans[0].budget_bytes
+        )  # mask too
         assert_bitwise(plain, step(model))
 
 
@@ -225,7 +284,9 @@ def test_checkpoint_sequential_and_the_cost_measurement_take_the_layers_keyword_
     model = llama()
     seen = {}
     handle = model.model.layers[0].register_forward_pre_hook(
-        lambda module, args, kwargs: seen.update(hidden=args[0].detach(), kwargs=kwargs), with_kwargs=True)
+        lambda module, args, kwargs: seen.update(hidden=args[0].detach(), kwargs=kwargs),
+        with_kwargs=True,
+    )
     model(input_ids=INPUT_IDS, attention_mask=PADDED, use_cache=False)
     handle.remove()
     kwargs = {name: value for name, value in seen["kwargs"].items() if name != "cache"}
@@ -245,7 +306,9 @@ def test_checkpoint_sequential_and_the_cost_measurement_take_the_layers_keyword_
         return hidden
 
     expected = gradients(plain)
-    assert not torch.equal(gradients(lambda h: plain(h, attention_mask=None))[0], expected[0])   # the mask matters
+    assert not torch.equal(
+        gradients(lambda h: plain(h, attention_mask=None))[0], expected[0]
+    )  # the mask matters
     for plan in (2, revolve(4, 2)):
         got = gradients(lambda h: checkpoint_sequential(layers, plan, h, layer_kwargs=kwargs))
         assert torch.equal(got[0], expected[0]) and all(map(torch.equal, got[1], expected[1]))
@@ -265,7 +328,12 @@ def test_selective_plans_are_reused_through_hfs_partials_bitwise():
     for _ in range(3):
         got = step(model)
     model.activation_checkpointing_disable()
-    assert (len(plans), plans.recorded, plans.reused, plans.fallbacks) == (4, 4, 8, 0)   # one plan per layer
+    assert (len(plans), plans.recorded, plans.reused, plans.fallbacks) == (
+        4,
+        4,
+        8,
+        0,
+    )  # one plan per layer
     assert_bitwise(plain, got)
 
 
@@ -293,4 +361,6 @@ def test_no_policy_holds_more_than_plain_autograd(make):
         with apply_checkpointing(model, how=policy):
             peak, kept = ckptlib.measure(training_step).peak_bytes, kept_after_forward_bytes()
         assert peak <= plain, f"{policy}: peak {peak} > plain autograd's {plain}"
-        assert kept <= plain_kept, f"{policy}: keeps {kept} for backward > plain autograd's {plain_kept}"
+        assert kept <= plain_kept, (
+            f"{policy}: keeps {kept} for backward > plain autograd's {plain_kept}"
+        )

@@ -37,8 +37,11 @@ def test_00_per_block_checkpoints_save_nothing_on_the_chain_and_sqrt_more_than_h
 
 def test_00_chart_title_is_computed_from_the_measured_peaks():
     """The title says what the bars show because it is built from them, not typed in."""
-    source = next(cell.source for cell in nbformat.read(NOTEBOOKS / "00_welcome_and_setup.ipynb", 4).cells
-                  if "set_title" in cell.source)
+    source = next(
+        cell.source
+        for cell in nbformat.read(NOTEBOOKS / "00_welcome_and_setup.ipynb", 4).cells
+        if "set_title" in cell.source
+    )
     title = source[source.index("set_title"):]
     assert "Checkpointing cuts" not in title
     assert "{share['sqrt']" in title and "block_verdict" in title
@@ -47,13 +50,16 @@ def test_00_chart_title_is_computed_from_the_measured_peaks():
 def test_region_names_are_the_function_or_module_then_a_counter():
     """00 and 04 explain region names such as ``Sequential@38``."""
     with record_trace() as trace:
-        ckptlib.checkpoint(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), torch.randn(3, 2, requires_grad=True))
+        ckptlib.checkpoint(
+            nn.Sequential(nn.Linear(2, 2), nn.ReLU()), torch.randn(3, 2, requires_grad=True)
+        )
     regions = {event.region for event in trace.events}
     assert len(regions) == 1 and re.fullmatch(r"Sequential@\d+", regions.pop())
 
 
 def test_00_graph_draws_the_checkpoints_own_input_as_freeing_nothing():
-    """00's caption: both saves dropped; mat1 (the region's input) frees nothing; 32 B is ReLU's output."""
+    """00's caption: both saves dropped; mat1 (the region's input) frees nothing; 32 B is ReLU's
+    output."""
     small = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     out = ckptlib.checkpoint(small, torch.randn(2, 4)).sum()
     graph = autograd_graph(out, params=small)
@@ -68,20 +74,33 @@ def test_00_graph_draws_the_checkpoints_own_input_as_freeing_nothing():
 def test_00_course_map_lists_every_notebook_and_the_widget_each_uses():
     cell = next(c.source for c in nbformat.read(NOTEBOOKS / "00_welcome_and_setup.ipynb", 4).cells
                 if c.source.startswith("## How to use this course"))
-    rows = {line.split("|")[1].strip(): line for line in cell.splitlines() if re.match(r"\| \d\d \|", line)}
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in cell.splitlines()
+        if re.match(r"\| \d\d \|", line)
+    }
     assert sorted(rows) == sorted(path.name[:2] for path in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     for path in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"):
         assert f"({path.name})" in rows[path.name[:2]]
     assert "optional" in rows["08"]
-    uses = {"00": "MemoryDashboard", "02": "BackwardStepper", "03": "BackwardStepper", "05": "ScheduleExplorer",
-            "06": "MemoryDashboard", "07": "PolicyExplorer"}
+    uses = {
+        "00": "MemoryDashboard",
+        "02": "BackwardStepper",
+        "03": "BackwardStepper",
+        "05": "ScheduleExplorer",
+        "06": "MemoryDashboard",
+        "07": "PolicyExplorer",
+    }
     for number, widget in uses.items():
         assert f"`{widget}`" in rows[number] and hasattr(ckptlib.widgets, widget)
 
 
 def test_00_prose_says_what_the_sqrt_line_measures():
     """00: sqrt(n) segments cut the peak to less than half of plain's (measured, not typed in)."""
-    cells = {cell.get("id"): cell.source for cell in nbformat.read(NOTEBOOKS / "00_welcome_and_setup.ipynb", 4).cells}
+    cells = {
+        cell.get("id"): cell.source
+        for cell in nbformat.read(NOTEBOOKS / "00_welcome_and_setup.ipynb", 4).cells
+    }
     assert "to less than half of plain's, as the\n`sqrt` line above" in cells["00-004"]
     assert "well under half" not in cells["00-004"]
     model = MLPChain(depth=32, width=128)

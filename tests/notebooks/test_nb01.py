@@ -29,7 +29,9 @@ def test_01_the_articles_grad_fn_example_records_nothing():
 
 
 @pytest.mark.parametrize("retain_graph, alive_bytes", [(False, 0), (True, 1024 * 2 * 4)])
-def test_01_backward_frees_saved_tensors_and_retain_graph_keeps_one_shared_tensor(retain_graph, alive_bytes):
+def test_01_backward_frees_saved_tensors_and_retain_graph_keeps_one_shared_tensor(
+    retain_graph, alive_bytes
+):
     """tanh saves its output and pow its input: one tensor, kept once; mm's saved x is data."""
     torch.manual_seed(0)
     x_big, w = torch.randn(1024, 3), torch.randn(3, 2, requires_grad=True)
@@ -55,7 +57,11 @@ def test_01_backward_runs_twice_through_ops_that_save_nothing():
 
 def test_01_a_saved_leaf_is_marked_leaf_not_counted():
     torch.manual_seed(0)
-    x, w, b = torch.randn(4, 3), torch.randn(3, 2, requires_grad=True), torch.zeros(2, requires_grad=True)
+    x, w, b = (
+        torch.randn(4, 3),
+        torch.randn(3, 2, requires_grad=True),
+        torch.zeros(2, requires_grad=True),
+    )
     graph = autograd_graph((torch.tanh(x @ w + b) ** 2).mean(), params={"w": w, "b": b, "x": x})
     assert "= x (leaf, not counted)" in str(graph)
     assert graph.saved_bytes == 4 * 2 * 4   # tanh's output, shared with pow: counted once
@@ -63,7 +69,8 @@ def test_01_a_saved_leaf_is_marked_leaf_not_counted():
 
 
 def test_01_collapsed_module_boxes_add_up_to_the_caption():
-    """01 section 5: each block's box holds its input, the loss its two tensors: 6 x 256 B = 1536 B."""
+    """01 section 5: each block's box holds its input, the loss its two tensors: 6 x 256 B = 1536
+    B."""
     torch.manual_seed(0)
     model = MLPChain(depth=4, width=16)
     batch = model.example_batch(batch=4)
@@ -72,8 +79,12 @@ def test_01_collapsed_module_boxes_add_up_to_the_caption():
     graph = autograd_graph(loss, modules=modules)
     body = to_dot(graph, collapse="module").body
     module_boxes = [int(n) for line in body for n in re.findall(r"saved (\d+) B", line)]
-    loose_boxes = [int(n) for line in body if f'fillcolor="{palette.SAVED}"' in line and "legend" not in line
-                   for n in re.findall(r"\n(\d+) B", line)]
+    loose_boxes = [
+        int(n)
+        for line in body
+        if f'fillcolor="{palette.SAVED}"' in line and "legend" not in line
+        for n in re.findall(r"\n(\d+) B", line)
+    ]
     assert module_boxes == [256] * 4 and loose_boxes == [256, 256]
     assert sum(module_boxes) + sum(loose_boxes) == graph.saved_bytes == 1536
 
@@ -102,14 +113,18 @@ def test_01_torchviz_walks_recursively():
 @pytest.mark.parametrize("guess, verdict", [(None, "Right."), ("None", "Right."),
                                             ("SinBackward0", "Not this time")])
 def test_01_no_node_is_a_right_answer_to_the_articles_grad_fn(guess, verdict):
-    """01 section 1 asks for the node's name, or None when there is none: None is right, quoted or not."""
-    cells = {cell.get("id"): cell.source for cell in nbformat.read(NOTEBOOKS / "01_autograd_graphs.ipynb", 4).cells}
+    """01 section 1 asks for the node's name, or None when there is none: None is right, quoted or
+    not."""
+    cells = {
+        cell.get("id"): cell.source
+        for cell in nbformat.read(NOTEBOOKS / "01_autograd_graphs.ipynb", 4).cells
+    }
     namespace: dict = {}
-    for cell_id in ("01-001", "01-003"):                  # imports, then x, w, b and the small graph
+    for cell_id in ("01-001", "01-003"):  # imports, then x, w, b and the small graph
         exec(cells[cell_id], namespace)
     namespace["guess_article_grad_fn"] = guess
     module = ast.parse(cells["01-005"])
-    *statements, shown = module.body                      # the cell shows its last expression's value
+    *statements, shown = module.body  # the cell shows its last expression's value
     exec(compile(ast.Module(statements, type_ignores=[]), "<01-005>", "exec"), namespace)
     verdict_shown = eval(compile(ast.Expression(shown.value), "<01-005>", "eval"), namespace)
     assert verdict in repr(verdict_shown), repr(verdict_shown)

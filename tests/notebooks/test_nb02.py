@@ -43,11 +43,17 @@ _parameters_only_copies: weakref.WeakValueDictionary = weakref.WeakValueDictiona
 
 
 def parameters_only_pack(tensor):
-    """A learner's hook: skips parameters, converts each storage once, but copies the input batch."""
+    """A learner's hook: skips parameters, converts each storage once, but copies the input
+    batch."""
     owner = tensor if tensor._base is None else tensor._base
     if tensor.dtype != torch.float32 or (owner.is_leaf and owner.requires_grad):
         return tensor.detach()
-    key = (StorageWeakRef(tensor.untyped_storage()), tensor.storage_offset(), tensor.shape, tensor.stride())
+    key = (
+        StorageWeakRef(tensor.untyped_storage()),
+        tensor.storage_offset(),
+        tensor.shape,
+        tensor.stride(),
+    )
     copy = _parameters_only_copies.get(key)
     if copy is None:
         copy = _parameters_only_copies[key] = tensor.to(torch.bfloat16)
@@ -98,17 +104,22 @@ def test_exercise_2_check_says_not_attempted_for_the_stub():
 
 
 def test_exercise_2_check_is_the_same_in_the_solutions():
-    assert cell_source(NB02, grade_id="exercise-2-check") == cell_source(NB02_SOLUTIONS, grade_id="exercise-2-check")
+    assert cell_source(NB02, grade_id="exercise-2-check") == cell_source(
+        NB02_SOLUTIONS, grade_id="exercise-2-check"
+    )
 
 
-# ---------------------------------------------------------------- 02, Exercise 2: what the pack hook receives
+# ----------------------------------------------------- 02, Exercise 2: what the pack hook receives
+
 
 def test_02_weight_view_that_linear_saves_is_no_leaf_but_its_base_is_the_parameter():
     """02 Ex2's text: a parameter and the batch are leaves; ``weight.t()`` has grad_fn TBackward0,
     is_leaf False, and its ``_base`` is the parameter. The notebook's cell prints the same."""
     layer = nn.Linear(4, 3)
     received = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: received.append(t) or t.detach(), lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: received.append(t) or t.detach(), lambda t: t
+    ):
         layer(torch.randn(2, 4, requires_grad=True))
     batch, weight_view = received                         # addmm saves mat1 (the batch) and mat2
     assert batch.is_leaf and batch.grad_fn is None
@@ -118,7 +129,12 @@ def test_02_weight_view_that_linear_saves_is_no_leaf_but_its_base_is_the_paramet
     namespace = notebook_02_namespace()
     printed = run_cell(cell_source(NB02, cell_id="02-n10"), namespace).splitlines()
     views = [line for line in printed if "TBackward0" in line]
-    assert views and all("is_leaf=False" in line and "_base=a parameter" in line for line in views), printed
+    assert views and all(
+        "is_leaf=False" in line and "_base=a parameter" in line for line in views
+    ), printed
     assert any("grad_fn=None" in line and "is_leaf=True" in line for line in printed), printed
     markdown = cell_source(NB02, cell_id="02-041")
-    assert "(`TBackward0`) and `is_leaf` is `False`" in markdown and "none has a `grad_fn`" not in markdown
+    assert (
+        "(`TBackward0`) and `is_leaf` is `False`" in markdown
+        and "none has a `grad_fn`" not in markdown
+    )

@@ -51,7 +51,9 @@ def bitwise_equal(a, b):
 def functions_to_checkpoint():
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(8, 24), nn.Tanh(), nn.Linear(24, 8))
-    block = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 8)).train()
+    block = nn.Sequential(
+        nn.LayerNorm(8), nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 8)
+    ).train()
     weight = torch.randn(8, 8, requires_grad=True)
 
     def in_place_and_view(t):
@@ -69,16 +71,22 @@ def functions_to_checkpoint():
 
 @pytest.mark.parametrize("shape", [(3, 8), (1, 8), (2, 4, 8)])
 @pytest.mark.parametrize("name", list(functions_to_checkpoint()))
-def test_one_cell_checkpoint_is_bitwise_equal_to_plain_autograd_and_torch(one_cell_checkpoint, name, shape):
+def test_one_cell_checkpoint_is_bitwise_equal_to_plain_autograd_and_torch(
+    one_cell_checkpoint, name, shape
+):
     fn, parameters = functions_to_checkpoint()[name]
     inputs = torch.randn(*shape, requires_grad=True)
     tensors = [inputs, *parameters]
     ours = gradients(lambda: one_cell_checkpoint(fn, inputs), tensors)
     assert bitwise_equal(gradients(lambda: fn(inputs), tensors), ours)
-    assert bitwise_equal(gradients(lambda: torch_checkpoint(fn, inputs, use_reentrant=False), tensors), ours)
+    assert bitwise_equal(
+        gradients(lambda: torch_checkpoint(fn, inputs, use_reentrant=False), tensors), ours
+    )
 
 
-def test_one_cell_checkpoint_recomputes_per_backward_pass_and_leaves_the_random_stream(one_cell_checkpoint):
+def test_one_cell_checkpoint_recomputes_per_backward_pass_and_leaves_the_random_stream(
+    one_cell_checkpoint,
+):
     x = torch.randn(6, requires_grad=True)
     (expected,) = torch.autograd.grad(x.sin().exp().cos().sum(), x)
     out = one_cell_checkpoint(lambda t: t.sin().exp().cos(), x).sum()
@@ -120,7 +128,9 @@ def test_03_an_input_modified_in_place_is_named_by_ckptlib_and_refused_by_torch(
     assert isinstance(error, CheckpointError)
     assert "input tensor #0" in str(error) and "modified in place" in str(error)
     error = modified_input_error(lambda fn, t: torch_checkpoint(fn, t, use_reentrant=False))
-    assert not isinstance(error, CheckpointError) and "modified by an inplace operation" in str(error)
+    assert not isinstance(error, CheckpointError) and "modified by an inplace operation" in str(
+        error
+    )
 
 
 def test_03_the_key_holds_the_producer_so_exp_swapped_for_sin_is_refused(one_cell_checkpoint):
@@ -132,9 +142,12 @@ def test_03_the_key_holds_the_producer_so_exp_swapped_for_sin_is_refused(one_cel
         (grad,) = torch.autograd.grad(out.sum(), x)
         return torch.equal(grad, x.detach().exp())
 
-    assert exp_then_sin(one_cell_checkpoint) is False      # shapes agree: a silently wrong gradient
-    with pytest.raises(CheckpointError, match=r"made by ExpBackward0; recomputation produced one that is an "
-                                              r"input of the region \(same shape, another operation\)"):
+    assert exp_then_sin(one_cell_checkpoint) is False  # shapes agree: a silently wrong gradient
+    with pytest.raises(
+        CheckpointError,
+        match=r"made by ExpBackward0; recomputation produced one that is an "
+        r"input of the region \(same shape, another operation\)",
+    ):
         exp_then_sin(ckptlib.checkpoint)
 
 
@@ -155,15 +168,21 @@ def test_03_per_block_trace_counts_the_block_output_as_alive_not_freed():
         model.training_step(model.example_batch(batch=32))
     done = [event.detail for event in trace.events if event.kind == "forward_done"]
     relu_output_bytes = 32 * 16 * 4
-    # block 0 saves its input and its ReLU output; blocks 1 and 2 also the weight (their input needs grad)
-    assert done == [f"{saves} saved tensors dropped, 0 bytes of activations freed ({relu_output_bytes} more "
-                    "are the region's output, alive while it is); kept the inputs, RNG and autocast state"
-                    for saves in (2, 3, 3)]
+    # block 0 saves its input and its ReLU output; blocks 1 and 2 also the weight (their input needs
+    # grad)
+    assert done == [
+        f"{saves} saved tensors dropped, 0 bytes of activations freed ({relu_output_bytes} more "
+        "are the region's output, alive while it is); kept the inputs, RNG and autocast state"
+        for saves in (2, 3, 3)
+    ]
 
 
-# ---------------------------------------------------------------- 03, section 4: what the version check covers
+# ---------------------------------------------------- 03, section 4: what the version check covers
 
-@pytest.mark.parametrize("modify", ["input", "parameter it reads", "buffer it reads", "captured tensor"])
+
+@pytest.mark.parametrize(
+    "modify", ["input", "parameter it reads", "buffer it reads", "captured tensor"]
+)
 def test_03_the_version_check_covers_what_the_region_reads(modify):
     """Section 4: before a rerun ckptlib checks the versions of what the region read: its inputs
     and the parameters, buffers and captured tensors its forward used."""
@@ -174,8 +193,12 @@ def test_03_the_version_check_covers_what_the_region_reads(modify):
     inputs = torch.randn(3, 4, requires_grad=True) * 1.0
     region = nn.Sequential(layer, norm)
     out = ckptlib.checkpoint(lambda t: (region(t) * scale).tanh(), inputs)
-    changed = {"input": inputs, "parameter it reads": layer.weight, "buffer it reads": norm.running_mean,
-               "captured tensor": scale}[modify]
+    changed = {
+        "input": inputs,
+        "parameter it reads": layer.weight,
+        "buffer it reads": norm.running_mean,
+        "captured tensor": scale,
+    }[modify]
     with torch.no_grad():
         changed.add_(0.5)
     with pytest.raises(CheckpointError, match="modified in place"):

@@ -6,7 +6,8 @@ Each test names the notebook section whose words it checks; when one fails, the 
 Exercise 1 (a BatchNorm pre-hook that survives early stop): an answer that takes back the counter
 increment in every recomputation, without asking whether BatchNorm updates anything (the first
 official solution), leaves ``num_batches_tracked`` at -3 after three eval-mode steps; one that asks
-about train mode only fails on ``track_running_stats=False``, whose counter is ``None``. The cells are
+about train mode only fails on ``track_running_stats=False``, whose counter is ``None``. The cells
+are
 the notebook's own, taken by cell id or nbgrader grade id and executed.
 """
 from __future__ import annotations
@@ -67,7 +68,10 @@ def bn_step(wrap):
 def test_04_batch_norm_in_a_checkpoint_updates_running_stats_twice_and_ckptlib_warns():
     """0.9 * (0.1 m) + 0.1 m = 0.19 m: 1.9 times plain's running mean, counter 2; ckptlib warns
     once (StateUpdatedTwiceWarning), torch's checkpoint does the same silently."""
-    (plain, plain_warned), (checkpointed, warned) = bn_step(lambda m, x: m(x)), bn_step(ckptlib.checkpoint)
+    (plain, plain_warned), (checkpointed, warned) = (
+        bn_step(lambda m, x: m(x)),
+        bn_step(ckptlib.checkpoint),
+    )
     assert (plain.num_batches_tracked.item(), checkpointed.num_batches_tracked.item()) == (1, 2)
     ratio = checkpointed.running_mean / plain.running_mean
     assert torch.allclose(ratio, torch.full_like(ratio, 1.9), rtol=1e-4)
@@ -79,7 +83,9 @@ def test_04_batch_norm_in_a_checkpoint_updates_running_stats_twice_and_ckptlib_w
 def test_04_a_context_fn_that_restores_the_statistics_is_not_warned_about():
     @contextlib.contextmanager
     def restored(module):
-        buffers = [b for m in module.modules() if isinstance(m, nn.BatchNorm1d) for b in m.buffers()]
+        buffers = [
+            b for m in module.modules() if isinstance(m, nn.BatchNorm1d) for b in m.buffers()
+        ]
         saved = [b.clone() for b in buffers]
         try:
             yield
@@ -88,8 +94,11 @@ def test_04_a_context_fn_that_restores_the_statistics_is_not_warned_about():
                 for buffer, value in zip(buffers, saved):
                     buffer.copy_(value)
 
-    bn, warned = bn_step(lambda m, x: ckptlib.checkpoint(m, x, context_fn=lambda: (contextlib.nullcontext(),
-                                                                                  restored(m))))
+    bn, warned = bn_step(
+        lambda m, x: ckptlib.checkpoint(
+            m, x, context_fn=lambda: (contextlib.nullcontext(), restored(m))
+        )
+    )
     assert bn.num_batches_tracked.item() == 1 and warned == []
 
 
@@ -99,8 +108,11 @@ def test_04_eval_mode_between_forward_and_backward_is_caught_by_the_producer():
     block = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Dropout(0.5), nn.Linear(64, 32))
     out = ckptlib.checkpoint(block, torch.randn(16, 32))
     block.eval()
-    with pytest.raises(CheckpointError, match=r"saved tensor #2 differs.*16x64 float32 .* a constant .*"
-                                              r"made by TanhBackward0 \(same shape, another operation\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"saved tensor #2 differs.*16x64 float32 .* a constant .*"
+        r"made by TanhBackward0 \(same shape, another operation\)",
+    ):
         out.sum().backward()
 
 
@@ -122,8 +134,11 @@ def test_04_metadata_check_catches_a_rerun_in_another_precision():
     mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     batch = torch.randn(8, 16, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = ckptlib.checkpoint(mlp, batch, context_fn=lambda: (contextlib.nullcontext(),
-                                                                 torch.autocast("cpu", enabled=False)))
+        out = ckptlib.checkpoint(
+            mlp,
+            batch,
+            context_fn=lambda: (contextlib.nullcontext(), torch.autocast("cpu", enabled=False)),
+        )
     with pytest.raises(CheckpointError, match=r"saved tensor #0 differs.*bfloat16.*float32"):
         torch.autograd.grad(out.float().sum(), [batch, *mlp.parameters()])
 
@@ -167,11 +182,18 @@ def train_mode_check_only(bn):
     return bn.register_forward_pre_hook(pre_hook)
 
 
-@pytest.mark.parametrize("answer, words", [
-    (without_mode_check, "eval mode: num_batches_tracked ends at -3, plain at 0"),
-    (train_mode_check_only, "track_running_stats=False: the hook raised AttributeError: 'NoneType' object has no "
-                            "attribute 'sub_'"),
-], ids=["no train-mode check", "no track_running_stats check"])
+@pytest.mark.parametrize(
+    "answer, words",
+    [
+        (without_mode_check, "eval mode: num_batches_tracked ends at -3, plain at 0"),
+        (
+            train_mode_check_only,
+            "track_running_stats=False: the hook raised AttributeError: 'NoneType' object has no "
+            "attribute 'sub_'",
+        ),
+    ],
+    ids=["no train-mode check", "no track_running_stats check"],
+)
 def test_exercise_1_check_rejects_a_wrong_answer(answer, words):
     namespace = namespace_04()
     namespace["protect_running_stats"] = answer

@@ -28,9 +28,13 @@ def _chain(n: int):
 
 def _step(blocks, forward) -> tuple[int, int]:
     calls = []
-    hooks = [block.register_forward_pre_hook(lambda module, args: calls.append(1)) for block in blocks]
+    hooks = [
+        block.register_forward_pre_hook(lambda module, args: calls.append(1)) for block in blocks
+    ]
     try:
-        report = measure(lambda: forward().sum().backward(), device="cpu", backend="tensors", timeline=False)
+        report = measure(
+            lambda: forward().sum().backward(), device="cpu", backend="tensors", timeline=False
+        )
     finally:
         for hook in hooks:
             hook.remove()
@@ -51,7 +55,9 @@ def test_each_mlp_block_keeps_one_activation_and_288_bytes_of_parameters():
 @pytest.mark.parametrize("n, segments", [(6, 3), (16, 4), (10, 3)])
 def test_torch_checkpoint_sequential_is_uniform(n, segments):
     blocks, x = _chain(n)
-    theirs = _step(blocks, lambda: torch_checkpoint_sequential(blocks, segments, x, use_reentrant=False))
+    theirs = _step(
+        blocks, lambda: torch_checkpoint_sequential(blocks, segments, x, use_reentrant=False)
+    )
     ours = _step(blocks, lambda: ckptlib.checkpoint_sequential(blocks, uniform(n, segments), x))
     assert theirs == ours
     assert theirs[1] == uniform(n, segments).forward_calls
@@ -65,7 +71,9 @@ def test_sqrt_n_never_reruns_its_last_segment(n):
 
 def test_revolve_with_3_slots_measures_about_a_third_of_plain_at_16_blocks():
     blocks, x = _chain(16)
-    revolve_peak, _ = _step(blocks, lambda: ckptlib.checkpoint_sequential(blocks, revolve(16, 3), x))
+    revolve_peak, _ = _step(
+        blocks, lambda: ckptlib.checkpoint_sequential(blocks, revolve(16, 3), x)
+    )
     plain_peak, _ = _step(blocks, lambda: blocks(x))
     assert revolve(16, 3).peak_activations == 4
     assert revolve_peak // (4 * 8 * 256) == 6    # 4 kept, 2 in flight (and a few bytes of scalars)

@@ -1,4 +1,5 @@
-"""Notebook 06, a Transformer in practice: the claims its prose makes, checked with ckptlib and torch.
+"""Notebook 06, a Transformer in practice: the claims its prose makes, checked with ckptlib and
+torch.
 
 Each test names the notebook section whose words it checks; when one fails, the notebook's text
 (or a title computed from the same numbers) needs another look, not only the code.
@@ -67,8 +68,14 @@ def test_06_rerun_clock_hooks_time_every_rerun_even_when_early_stop_ends_it(tran
             started.remove(block)
             ended.append(block)
 
-    hooks = [hook for block in model.blocks for hook in (
-        block.register_forward_pre_hook(start), block.register_forward_hook(stop, always_call=True))]
+    hooks = [
+        hook
+        for block in model.blocks
+        for hook in (
+            block.register_forward_pre_hook(start),
+            block.register_forward_hook(stop, always_call=True),
+        )
+    ]
     try:
         model.checkpointing = "block"
         model.training_step(batch)

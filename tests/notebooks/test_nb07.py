@@ -19,7 +19,13 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import ckptlib
-from ckptlib import MemoryMeter, TinyTransformer, offload_saved_tensors, save_matmuls, selective_checkpoint
+from ckptlib import (
+    MemoryMeter,
+    TinyTransformer,
+    offload_saved_tensors,
+    save_matmuls,
+    selective_checkpoint,
+)
 from ckptlib.widgets import PolicyExplorer
 
 aten = torch.ops.aten
@@ -32,7 +38,8 @@ KIB = 1024
 
 
 def graphs_left_alive(hooks) -> int:
-    """How many of 3 dropped `v.exp()` graphs made under `hooks` survive gc.collect() (as in 07 and 02)."""
+    """How many of 3 dropped `v.exp()` graphs made under `hooks` survive gc.collect() (as in 07 and
+    02)."""
     v = torch.randn(1000, requires_grad=True)
     outputs = []
     for _ in range(3):
@@ -50,9 +57,15 @@ def test_save_on_cpu_on_cpu_tensors_leaks_every_graph_dropped_before_backward():
     assert graphs_left_alive(torch.autograd.graph.save_on_cpu) == 3
 
 
-@pytest.mark.parametrize("hooks", [None, offload_saved_tensors,
-                                   functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=True)],
-                         ids=["plain", "ckptlib offload", "save_on_cpu pinned"])
+@pytest.mark.parametrize(
+    "hooks",
+    [
+        None,
+        offload_saved_tensors,
+        functools.partial(torch.autograd.graph.save_on_cpu, pin_memory=True),
+    ],
+    ids=["plain", "ckptlib offload", "save_on_cpu pinned"],
+)
 def test_hooks_that_keep_no_grad_fn_leak_nothing(hooks):
     assert graphs_left_alive(hooks) == 0
 
@@ -125,11 +138,20 @@ def test_half_the_matmul_output_bytes_of_a_block_are_ones_plain_autograd_does_no
     with OpOutputs() as ops, torch.autograd.graph.saved_tensors_hooks(note, lambda tensor: tensor):
         blocks[0](x)
     outputs = [output for func, output in ops.calls if func in save_matmuls]
-    assert [tuple(o.shape) for o in outputs] == [(64, 192), (4, 64, 64), (4, 64, 16), (64, 64), (64, 256), (64, 64)]
+    assert [tuple(o.shape) for o in outputs] == [
+        (64, 192),
+        (4, 64, 64),
+        (4, 64, 16),
+        (64, 64),
+        (64, 256),
+        (64, 64),
+    ]
     assert sum(o.nbytes for o in outputs) == 224 * KIB
     not_saved = [o for o in outputs if o.untyped_storage().data_ptr() not in saved]
     assert sum(o.nbytes for o in not_saved) == 112 * KIB
-    assert (4, 64, 64) in [tuple(o.shape) for o in not_saved], "plain autograd keeps the attention scores"
+    assert (4, 64, 64) in [tuple(o.shape) for o in not_saved], (
+        "plain autograd keeps the attention scores"
+    )
 
 
 def _kept_bytes(blocks, x, runner) -> int:
@@ -141,7 +163,9 @@ def _kept_bytes(blocks, x, runner) -> int:
     return kept
 
 
-def test_save_matmuls_keeps_the_inputs_and_every_matmul_output_in_ckptlib_and_torch_sac(transformer):
+def test_save_matmuls_keeps_the_inputs_and_every_matmul_output_in_ckptlib_and_torch_sac(
+    transformer,
+):
     blocks, x = transformer
     torch_sac = functools.partial(create_selective_checkpoint_contexts, list(save_matmuls))
     ours = _kept_bytes(blocks, x, functools.partial(selective_checkpoint, policy=save_matmuls))
@@ -173,12 +197,19 @@ def _backward_ops(block, x, run) -> Counter:
     return log.ops
 
 
-def test_keeping_the_softmax_ckptlib_skips_the_scores_scaling_and_mask_torch_sac_runs_them(transformer):
+def test_keeping_the_softmax_ckptlib_skips_the_scores_scaling_and_mask_torch_sac_runs_them(
+    transformer,
+):
     blocks, x = transformer
     torch_sac = functools.partial(create_selective_checkpoint_contexts, [aten._softmax.default])
-    theirs = _backward_ops(blocks[0], x, lambda block, h: torch_checkpoint(block, h, use_reentrant=False,
-                                                                        context_fn=torch_sac))
-    ours = _backward_ops(blocks[0], x, functools.partial(selective_checkpoint, policy={aten._softmax}))
+    theirs = _backward_ops(
+        blocks[0],
+        x,
+        lambda block, h: torch_checkpoint(block, h, use_reentrant=False, context_fn=torch_sac),
+    )
+    ours = _backward_ops(
+        blocks[0], x, functools.partial(selective_checkpoint, policy={aten._softmax})
+    )
     assert theirs - ours == Counter({"bmm": 1, "mul": 1, "masked_fill": 1})
     assert ours - theirs == Counter()
 
@@ -186,7 +217,9 @@ def test_keeping_the_softmax_ckptlib_skips_the_scores_scaling_and_mask_torch_sac
 def test_keeping_both_bmm_outputs_skips_nothing_before_them(transformer):
     blocks, x = transformer
     full = _backward_ops(blocks[0], x, ckptlib.checkpoint)
-    keep_bmm = _backward_ops(blocks[0], x, functools.partial(selective_checkpoint, policy={aten.bmm}))
+    keep_bmm = _backward_ops(
+        blocks[0], x, functools.partial(selective_checkpoint, policy={aten.bmm})
+    )
     assert full - keep_bmm == Counter({"bmm": 2}), "only the two replayed products may be missing"
 
 
@@ -210,7 +243,9 @@ def _keep_rows(explorer, rows) -> dict:
 
 def test_keeping_fc2s_output_spares_no_call_of_the_rerun(policy_explorer):
     fc2 = len(policy_explorer.rows) - 1
-    assert policy_explorer.rows[fc2]["op"] == "addmm" and policy_explorer.rows[fc2]["input_shapes"][1] == (64, 256)
+    assert policy_explorer.rows[fc2]["op"] == "addmm" and policy_explorer.rows[fc2]["input_shapes"][
+        1
+    ] == (64, 256)
     kept = _keep_rows(policy_explorer, [fc2])
     assert kept["kept_bytes"] == 16 * KIB
     assert kept["rerun_ops"] == policy_explorer.references["full checkpoint"]["rerun_ops"] == 13
@@ -222,7 +257,9 @@ def test_within_half_of_save_matmuls_bytes_the_rerun_computes_5_calls(policy_exp
     ops = [row["op"] for row in policy_explorer.rows]
     softmax, clone, add = ops.index("_softmax"), ops.index("clone"), ops.index("add")
     assert softmax == 5, "the notebook's committed first try names the softmax by its row number"
-    assert _keep_rows(policy_explorer, [softmax])["rerun_ops"] == 9      # itself and the 3 ops that only fed it
+    assert (
+        _keep_rows(policy_explorer, [softmax])["rerun_ops"] == 9
+    )  # itself and the 3 ops that only fed it
     spare_more = []                    # 16 KiB rows that spare more than their own call
     for row in range(len(ops)):
         kept = _keep_rows(policy_explorer, [row])
@@ -264,7 +301,9 @@ def test_fsdp2_recomputation_uses_the_parameters_gathered_for_backward(monkeypat
         monkeypatch.setattr(group_module.FSDPParamGroup, "unshard", counting_unshard)
         gathers, forwards = {}, {}
         for checkpointing in ("none", "block"):
-            model = TinyTransformer(depth=2, d_model=32, heads=2, seq=16, vocab=64, checkpointing=checkpointing)
+            model = TinyTransformer(
+                depth=2, d_model=32, heads=2, seq=16, vocab=64, checkpointing=checkpointing
+            )
             calls = []
             for block in model.blocks:
                 block.register_forward_pre_hook(lambda module, args: calls.append(1))
@@ -314,5 +353,7 @@ def test_torch_checkpoint_compiles_without_a_graph_break():
     mlp = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
     x = torch.randn(64, 32, requires_grad=True)
     torch._dynamo.reset()
-    explanation = torch._dynamo.explain(lambda inp: torch_checkpoint(mlp, inp, use_reentrant=False).sin())(x)
+    explanation = torch._dynamo.explain(
+        lambda inp: torch_checkpoint(mlp, inp, use_reentrant=False).sin()
+    )(x)
     assert (explanation.graph_count, explanation.graph_break_count) == (1, 0)

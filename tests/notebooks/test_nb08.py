@@ -1,4 +1,5 @@
-"""Claims notebook 08, a deep dive into selective checkpointing, makes in prose, checked on the installed torch.
+"""Claims notebook 08, a deep dive into selective checkpointing, makes in prose, checked on the
+installed torch.
 
 The notebooks measure these in their cells (nbval compares the committed outputs); the tests
 here keep the claims true when torch or ckptlib changes, without running a notebook, and check
@@ -24,7 +25,9 @@ aten = torch.ops.aten
     (lambda h: h.exp(), lambda h: h.sigmoid(), "fallback"),        # another node saves the output
     (lambda h: (h * 2).exp(), lambda h: (h + h).exp(), "mismatch"),  # same saved tensors, other ops
 ])
-def test_a_changed_branch_costs_a_fallback_or_a_second_rerun_never_a_wrong_gradient(first, second, outcome):
+def test_a_changed_branch_costs_a_fallback_or_a_second_rerun_never_a_wrong_gradient(
+    first, second, outcome
+):
     torch.manual_seed(0)
     w = torch.randn(16, 16, requires_grad=True)
     x = torch.randn(8, 16, requires_grad=True)

@@ -1,8 +1,10 @@
-"""Notebook 09's self-checks, read from the notebook itself: plausible wrong answers fail, the solutions pass.
+"""Notebook 09's self-checks, read from the notebook itself: plausible wrong answers fail, the
+solutions pass.
 
 - Exercise 1 ("the cheapest plan that fits"): a pick that does not fit, one that fits but is not the
   cheapest, one that ignores the tie on FLOPs, and one that never answers None are each refused.
-- Exercise 2 ("checkpoint only the MLPs"): selecting the whole layers, or the MLPs' parts, is refused;
+- Exercise 2 ("checkpoint only the MLPs"): selecting the whole layers, or the MLPs' parts, is
+refused;
   the solution's path pattern and the MLP class pass, gradients bitwise equal to plain.
 """
 from __future__ import annotations
@@ -74,8 +76,10 @@ def test_exercise_1_solution_passes_and_the_stub_is_not_attempted():
     namespace: dict = {}
     run_cell(cell_source(NB09_SOLUTIONS, "exercise-1"), namespace)
     printed = exercise_1(namespace["cheapest_that_fits"])
-    assert printed.startswith("Exercise 1 solved: 30 MiB -> selective; 12 MiB -> planner; 10 MiB -> per layer; "
-                              "8 MiB -> None"), printed
+    assert printed.startswith(
+        "Exercise 1 solved: 30 MiB -> selective; 12 MiB -> planner; 10 MiB -> per layer; "
+        "8 MiB -> None"
+    ), printed
     stub: dict = {}
     run_cell(cell_source(NB09, "exercise-1"), stub)
     assert exercise_1(stub["cheapest_that_fits"]).startswith("not attempted yet")
@@ -90,9 +94,13 @@ def gpt2_namespace():
         if cell.cell_type != "code":
             continue
         run_cell(cell.source, namespace)
-        if "plane" in namespace:   # the plane's first point is measured: the exercises' setup is complete
+        if (
+            "plane" in namespace
+        ):  # the plane's first point is measured: the exercises' setup is complete
             break
-    namespace["plane"]["per layer"] = namespace["plane"]["no checkpointing"]   # only printed by the check
+    namespace["plane"]["per layer"] = namespace["plane"][
+        "no checkpointing"
+    ]  # only printed by the check
     return namespace
 
 
@@ -104,7 +112,9 @@ def exercise_2(namespace: dict, select) -> str:
 def test_exercise_2_check_refuses_other_modules(gpt2_namespace, wrong):
     with pytest.raises(AssertionError, match="expected exactly"):
         exercise_2(gpt2_namespace, wrong)
-    assert "forward" not in vars(gpt2_namespace["model"].transformer.h[0].mlp), "the check left a wrapper behind"
+    assert "forward" not in vars(gpt2_namespace["model"].transformer.h[0].mlp), (
+        "the check left a wrapper behind"
+    )
 
 
 def test_exercise_2_solution_and_the_mlp_class_pass(gpt2_namespace):
@@ -113,5 +123,7 @@ def test_exercise_2_solution_and_the_mlp_class_pass(gpt2_namespace):
     solution: dict = {}
     run_cell(cell_source(NB09_SOLUTIONS, "exercise-2"), solution)
     for select in (solution["mlp_select"], GPT2MLP):
-        assert exercise_2(gpt2_namespace, select).startswith("Exercise 2 solved: the MLPs checkpointed"), select
+        assert exercise_2(gpt2_namespace, select).startswith(
+            "Exercise 2 solved: the MLPs checkpointed"
+        ), select
     assert exercise_2(gpt2_namespace, Ellipsis).startswith("not attempted yet")

@@ -34,7 +34,9 @@ def solved() -> dict:
     """The namespace after every code cell of the solutions notebook ran, in order."""
     namespace: dict = {"__name__": "clinic"}
     here = os.getcwd()
-    os.chdir(SOLUTIONS.parent)   # where the notebook runs: it finds notebooks/clinic_ddp.py from there
+    os.chdir(
+        SOLUTIONS.parent
+    )  # where the notebook runs: it finds notebooks/clinic_ddp.py from there
     try:
         for cell in nbformat.read(SOLUTIONS, as_version=4).cells:
             if cell.cell_type == "code":
@@ -75,6 +77,8 @@ def test_self_check_fails_on_the_broken_code_and_passes_on_the_solution(solved, 
         broken[name] = solved[name.replace("fixed_", "broken_", 1)]
     with pytest.raises(Exception):   # an assertion, or the broken code's own error
         output = run_cell(check, broken, f"<learner {check_id}, broken>")
-        pytest.fail(f"the self-check passed on the broken code: {output!r}")   # not an Exception: not caught
+        pytest.fail(
+            f"the self-check passed on the broken code: {output!r}"
+        )  # not an Exception: not caught
 
     assert "solved" in run_cell(check, dict(solved), f"<learner {check_id}, solution>")

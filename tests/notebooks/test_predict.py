@@ -24,12 +24,24 @@ def test_choices_must_be_equal():
     assert check_prediction("exp", "exp", what="op").right
     wrong = check_prediction(True, False, what="match")
     assert not wrong.right and "Not this time" in repr(wrong)
-    assert check_prediction(True, True, what="flag").relative_error is None  # a bool is a choice, not a number
+    assert (
+        check_prediction(True, True, what="flag").relative_error is None
+    )  # a bool is a choice, not a number
 
 
-@pytest.mark.parametrize("guess, measured", [(NO_GUESS, 3), (NO_GUESS, None), (NO_GUESS, "SinBackward0"),
-                                             (NO_GUESS, False), (..., 3), (..., None),
-                                             (None, 3), (None, 2.5)])   # None for a number: not guessed
+@pytest.mark.parametrize(
+    "guess, measured",
+    [
+        (NO_GUESS, 3),
+        (NO_GUESS, None),
+        (NO_GUESS, "SinBackward0"),
+        (NO_GUESS, False),
+        (..., 3),
+        (..., None),
+        (None, 3),
+        (None, 2.5),
+    ],
+)  # None for a number: not guessed
 def test_no_guess_yet(guess, measured):
     verdict = check_prediction(guess, measured, what="saved tensors")
     assert not verdict.attempted and not verdict.right
@@ -44,7 +56,9 @@ def test_none_is_an_answer_where_the_measurement_is_not_a_number():
     wrong = check_prediction(None, "SinBackward0", what="the grad_fn")
     assert wrong.attempted and not wrong.right and "Not this time" in repr(wrong)
     assert not check_prediction("SinBackward0", None, what="the grad_fn").right
-    assert not check_prediction(None, False, what="a flag").right       # a bool is a choice, None a wrong one
+    assert not check_prediction(
+        None, False, what="a flag"
+    ).right  # a bool is a choice, None a wrong one
 
 
 def test_no_guess_is_never_a_measurement():

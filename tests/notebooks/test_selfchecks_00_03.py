@@ -27,7 +27,11 @@ NAMES = {"00": "00_welcome_and_setup", "01": "01_autograd_graphs", "02": "02_sav
 @lru_cache(maxsize=None)
 def cells(number: str, solutions: bool = False) -> tuple:
     name = NAMES[number]
-    path = NOTEBOOKS / "solutions" / f"{name}_solutions.ipynb" if solutions else NOTEBOOKS / f"{name}.ipynb"
+    path = (
+        NOTEBOOKS / "solutions" / f"{name}_solutions.ipynb"
+        if solutions
+        else NOTEBOOKS / f"{name}.ipynb"
+    )
     return tuple(nbformat.read(path, as_version=4).cells)
 
 
@@ -37,7 +41,9 @@ def grade_id(cell) -> str | None:
 
 def graded_source(number: str, grade: str, solutions: bool = False) -> str:
     found = [cell.source for cell in cells(number, solutions) if grade_id(cell) == grade]
-    assert len(found) == 1, f"notebook {number}: expected one cell with grade id {grade!r}, found {len(found)}"
+    assert len(found) == 1, (
+        f"notebook {number}: expected one cell with grade id {grade!r}, found {len(found)}"
+    )
     return found[0]
 
 
@@ -66,7 +72,8 @@ def solution(number: str, exercise: str) -> str:
 
 
 def solution_with(number: str, exercise: str, *changes: tuple[str, str]) -> str:
-    """The official solution with each ``(old, new)`` change made: a wrong answer one step from it."""
+    """The official solution with each ``(old, new)`` change made: a wrong answer one step from
+    it."""
     source = solution(number, exercise)
     for old, new in changes:
         assert old in source, f"notebook {number} {exercise}'s solution no longer contains {old!r}"
@@ -78,13 +85,19 @@ def stub(number: str, exercise: str) -> str:
     return graded_source(number, exercise)
 
 
-EXERCISES = [(number, cell_grade) for number in NAMES for cell_grade in
-             sorted({grade_id(cell) for cell in cells(number)} - {None}) if not cell_grade.endswith("-check")]
+EXERCISES = [
+    (number, cell_grade)
+    for number in NAMES
+    for cell_grade in sorted({grade_id(cell) for cell in cells(number)} - {None})
+    if not cell_grade.endswith("-check")
+]
 
 
 @pytest.mark.parametrize("number, exercise", EXERCISES)
 def test_the_self_check_is_the_same_cell_in_the_solutions(number, exercise):
-    assert graded_source(number, f"{exercise}-check") == graded_source(number, f"{exercise}-check", solutions=True)
+    assert graded_source(number, f"{exercise}-check") == graded_source(
+        number, f"{exercise}-check", solutions=True
+    )
 
 
 @pytest.mark.parametrize("number, exercise", EXERCISES)
@@ -94,13 +107,22 @@ def test_the_solution_passes_and_the_stub_is_not_attempted(number, exercise):
     assert "not attempted" in self_check(number, exercise, stub(number, exercise)).lower()
 
 
-# Each wrong answer: (notebook, exercise, the answer's code, what the self-check's message must say).
+# Each wrong answer: (notebook, exercise, the answer's code, what the self-check's message must
+# say).
 WRONG_ANSWERS = {
-    "00 Ex2: one over the depth, a guess at the theory": ("00", "exercise-2", '''
+    "00 Ex2: one over the depth, a guess at the theory": (
+        "00",
+        "exercise-2",
+        """
         def checkpointed_fraction(depth):
             return 1 / depth
-        ''', r"depth 4: yours 25\.0%, measured 85\.7%.*whole training step"),
-    "00 Ex2: the peak of the forward pass alone": ("00", "exercise-2", '''
+        """,
+        r"depth 4: yours 25\.0%, measured 85\.7%.*whole training step",
+    ),
+    "00 Ex2: the peak of the forward pass alone": (
+        "00",
+        "exercise-2",
+        """
         def checkpointed_fraction(depth):
             model = ckptlib.MLPChain(depth=depth, width=64)
             batch = model.example_batch(batch=512)
@@ -109,26 +131,43 @@ WRONG_ANSWERS = {
                 model.checkpointing = mode
                 peaks[mode] = ckptlib.measure(lambda: model.loss(batch)).peak_bytes
             return peaks["sqrt"] / peaks["none"]
-        ''', r"depth 4: yours 80\.0%, measured 85\.7%; depth 16: yours 47\.1%, measured 52\.6%; "
-             r"depth 64: yours 24\.6%, measured 27\.0%"),
-    "01 Ex2: if/elif, never both roles": ("01", "exercise-2", '''
+        """,
+        r"depth 4: yours 80\.0%, measured 85\.7%; depth 16: yours 47\.1%, measured 52\.6%; "
+        r"depth 64: yours 24\.6%, measured 27\.0%",
+    ),
+    "01 Ex2: if/elif, never both roles": (
+        "01",
+        "exercise-2",
+        """
         def saved_roles(node):
-            names = [a for a in dir(node) if a.startswith("_saved_") and isinstance(getattr(node, a), torch.Tensor)]
+            names = [a for a in dir(node)
+                     if a.startswith("_saved_") and isinstance(getattr(node, a), torch.Tensor)]
             if "_saved_result" in names:
                 return {"output"}
             elif names:
                 return {"input"}
             return set()
-        ''', r"s\.prod\(\) .*: yours \['output'\], saved \['input', 'output'\]"),
-    "01 Ex2: a lookup table by op name": ("01", "exercise-2", '''
+        """,
+        r"s\.prod\(\) .*: yours \['output'\], saved \['input', 'output'\]",
+    ),
+    "01 Ex2: a lookup table by op name": (
+        "01",
+        "exercise-2",
+        """
         ROLES = {"PowBackward0": {"input"}, "ReluBackward0": {"output"}, "MulBackward0": {"input"},
                  "ExpBackward0": {"output"}, "SinBackward0": {"input"}, "TanhBackward0": {"output"},
-                 "LogBackward0": {"input"}, "ProdBackward0": {"input", "output"}, "FmodBackward1": {"input"}}
+                 "LogBackward0": {"input"}, "ProdBackward0": {"input", "output"},
+                 "FmodBackward1": {"input"}}
 
         def saved_roles(node):
             return ROLES.get(type(node).__name__, set())
-        ''', r"s\.fmod\(three\) .*: yours \['input'\], saved \[\]"),
-    "02 Ex1: a dict keyed by id(tensor)": ("02", "exercise-1", '''
+        """,
+        r"s\.fmod\(three\) .*: yours \['input'\], saved \[\]",
+    ),
+    "02 Ex1: a dict keyed by id(tensor)": (
+        "02",
+        "exercise-1",
+        """
         def count_saved_bytes(fn):
             storages = {}
 
@@ -139,33 +178,67 @@ WRONG_ANSWERS = {
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 fn()
             return sum(storages.values())
-        ''', r"differs from the hand count for: x\[:32\] \* x\[32:\]$"),
-    "02 Ex1: the tensor's bytes, not its storage's": ("02", "exercise-1", '''
+        """,
+        r"differs from the hand count for: x\[:32\] \* x\[32:\]$",
+    ),
+    "02 Ex1: the tensor's bytes, not its storage's": (
+        "02",
+        "exercise-1",
+        """
         def count_saved_bytes(fn):
             storages = {}
 
             def pack(tensor):
-                storages[tensor.untyped_storage().data_ptr()] = tensor.numel() * tensor.element_size()
+                nbytes = tensor.numel() * tensor.element_size()
+                storages[tensor.untyped_storage().data_ptr()] = nbytes
                 return tensor.detach()
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 fn()
             return sum(storages.values())
-        ''', r"differs from the hand count for: x\[:32\]\.sin\(\), x\[:32\] \* x\[32:\]$"),
-    "02 Ex2: a plain dict keyed by data_ptr": ("02", "exercise-2", solution_with("02", "exercise-2", (
-        "bf16_copies = weakref.WeakValueDictionary()", "bf16_copies = {}"), (
-        "key = (StorageWeakRef(tensor.untyped_storage()), tensor.storage_offset(), tensor.shape, tensor.stride())",
-        "key = tensor.untyped_storage().data_ptr()")),
+        """,
+        r"differs from the hand count for: x\[:32\]\.sin\(\), x\[:32\] \* x\[32:\]$",
+    ),
+    "02 Ex2: a plain dict keyed by data_ptr": (
+        "02",
+        "exercise-2",
+        solution_with(
+            "02",
+            "exercise-2",
+            ("bf16_copies = weakref.WeakValueDictionary()", "bf16_copies = {}"),
+            (
+                "key = (StorageWeakRef(tensor.untyped_storage()), tensor.storage_offset(), "
+                "tensor.shape, tensor.stride())",
+                "key = tensor.untyped_storage().data_ptr()",
+            ),
+        ),
         r"after backward, with the graph gone, 8,192 B your hooks made are still alive"
-        r"|gradients differ by \d+\.\d% from the exact ones: .*Key by the storage"),  # a reused address
-    "02 Ex2: a weak dict keyed by data_ptr alone": ("02", "exercise-2", solution_with("02", "exercise-2", (
-        "key = (StorageWeakRef(tensor.untyped_storage()), tensor.storage_offset(), tensor.shape, tensor.stride())",
-        "key = tensor.data_ptr()")),
-        r"gradients differ by \d+\.\d% from the exact ones: .*(?i:key by the storage)"),  # the MLP or h @ h.t()
-    "02 Ex2: float16 instead of bfloat16": ("02", "exercise-2",
+        r"|gradients differ by \d+\.\d% from the exact ones: .*Key by the storage",
+    ),  # a reused address
+    "02 Ex2: a weak dict keyed by data_ptr alone": (
+        "02",
+        "exercise-2",
+        solution_with(
+            "02",
+            "exercise-2",
+            (
+                "key = (StorageWeakRef(tensor.untyped_storage()), tensor.storage_offset(), "
+                "tensor.shape, tensor.stride())",
+                "key = tensor.data_ptr()",
+            ),
+        ),
+        r"gradients differ by \d+\.\d% from the exact ones: .*(?i:key by the storage)",
+    ),  # the MLP or h @ h.t()
+    "02 Ex2: float16 instead of bfloat16": (
+        "02",
+        "exercise-2",
         solution_with("02", "exercise-2", ("torch.bfloat16", "torch.float16")),
-        r"\(square \* 1e5\)\.pow\(2\): gradients differ by (inf|nan)% .*float16 stops at 65504"),
-    "03 Ex1: a slice of the optimizer's shared list": ("03", "exercise-1", '''
+        r"\(square \* 1e5\)\.pow\(2\): gradients differ by (inf|nan)% .*float16 stops at 65504",
+    ),
+    "03 Ex1: a slice of the optimizer's shared list": (
+        "03",
+        "exercise-1",
+        """
         class PerBackwardHook(ForwardHook):
             def __init__(self, optimizer, forward_fn, args):
                 super().__init__(optimizer, forward_fn, args)
@@ -180,8 +253,13 @@ WRONG_ANSWERS = {
                 slots = self.lists[task]
                 tensor, slots[index] = slots[index], None
                 return tensor
-        ''', r"4 recomputed storages are still alive: the optimizer's shared list still holds 6 tensors"),
-    "03 Ex3: any version but 0 refused": ("03", "exercise-3", '''
+        """,
+        r"4 recomputed storages are still alive: the optimizer's shared list still holds 6 tensors",
+    ),
+    "03 Ex3: any version but 0 refused": (
+        "03",
+        "exercise-3",
+        """
         class InputCheckedFrame(CheckedFrame):
             def rerun(self):
                 for position, arg in enumerate(self.args):
@@ -191,8 +269,13 @@ WRONG_ANSWERS = {
 
 
         input_checked_checkpoint = make_checkpoint(InputCheckedFrame)
-        ''', r"an input modified before the call was refused .*not with 0"),
-    "03 Ex3: only args[0] checked": ("03", "exercise-3", '''
+        """,
+        r"an input modified before the call was refused .*not with 0",
+    ),
+    "03 Ex3: only args[0] checked": (
+        "03",
+        "exercise-3",
+        """
         class InputCheckedFrame(CheckedFrame):
             def __init__(self, fn, args):
                 super().__init__(fn, args)
@@ -205,7 +288,9 @@ WRONG_ANSWERS = {
 
 
         input_checked_checkpoint = make_checkpoint(InputCheckedFrame)
-        ''', r"the second argument was modified in place .*not only the first"),
+        """,
+        r"the second argument was modified in place .*not only the first",
+    ),
 }
 
 

@@ -1,4 +1,6 @@
-"""ckptlib.schedules: plans against theory (Griewank-Walther, Chen et al.) and against brute force."""
+"""ckptlib.schedules: plans against theory (Griewank-Walther, Chen et al.) and against brute
+force."""
+
 from __future__ import annotations
 
 import math
@@ -13,7 +15,7 @@ from ckptlib.schedules import (
 )
 
 
-def griewank_walther_optimum(l: int, s: int) -> int:
+def griewank_walther_optimum(l: int, s: int) -> int:  # noqa: E741  (l and s as in the paper)
     """Least advances to reverse l steps with s checkpoints: r*l - C(s+r, s+1), C(s+r, s) >= l."""
     r = 0
     while math.comb(s + r, s) < l:
@@ -46,10 +48,23 @@ def layer_order(plan: Plan, op: str, keep: bool | None = None) -> list[int]:
 
 
 def ready_made_plans() -> list[Plan]:
-    return [uniform(16, 1), uniform(16, 3), uniform(10, 4), uniform(7, 7), sqrt_n(16), sqrt_n(23),
-            recursive(16), recursive(13), revolve(16, 1), revolve(16, 3), revolve(20, 5), revolve(1, 1),
-            plan_for_budget([(1, 2, 1.0)] * 12, 7), Plan([Segment(0, 3, (Segment(0, 2), 2))]),
-            Plan([Segment(0, 2), Segment(2, 5, (2, 3, Segment(4, 5))), 5])]
+    return [
+        uniform(16, 1),
+        uniform(16, 3),
+        uniform(10, 4),
+        uniform(7, 7),
+        sqrt_n(16),
+        sqrt_n(23),
+        recursive(16),
+        recursive(13),
+        revolve(16, 1),
+        revolve(16, 3),
+        revolve(20, 5),
+        revolve(1, 1),
+        plan_for_budget([(1, 2, 1.0)] * 12, 7),
+        Plan([Segment(0, 3, (Segment(0, 2), 2))]),
+        Plan([Segment(0, 2), Segment(2, 5, (2, 3, Segment(4, 5))), 5]),
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -58,7 +73,7 @@ def ready_made_plans() -> list[Plan]:
 
 
 def test_revolve_forward_steps_are_the_binomial_optimum():
-    for l in range(1, 81):
+    for l in range(1, 81):  # noqa: E741  (l steps, as in griewank_walther_optimum)
         for s in range(1, 7):
             plan = revolve(l, s)
             assert plan.forward_steps == griewank_walther_optimum(l, s), (l, s)
@@ -98,7 +113,9 @@ def test_uniform_uses_torch_segments(n, k):
     size = n // k
     plan = uniform(n, k)
     segments = [step for step in plan.body if isinstance(step, Segment)]
-    assert [(s.start, s.stop) for s in segments] == [(i * size, (i + 1) * size) for i in range(k - 1)]
+    assert [(s.start, s.stop) for s in segments] == [
+        (i * size, (i + 1) * size) for i in range(k - 1)
+    ]
     assert [step for step in plan.body if isinstance(step, int)] == list(range((k - 1) * size, n))
     last = n - (k - 1) * size
     assert plan.forward_steps == (k - 1) * size
@@ -141,7 +158,11 @@ def test_plain_and_fully_checkpointed_extremes():
     assert plain.body == tuple(range(12))
     assert (plain.forward_steps, plain.peak_slots, plain.peak_activations) == (0, 0, 12)
     every_layer = uniform(12, 12)
-    assert (every_layer.forward_steps, every_layer.peak_slots, every_layer.peak_activations) == (11, 11, 12)
+    assert (every_layer.forward_steps, every_layer.peak_slots, every_layer.peak_activations) == (
+        11,
+        11,
+        12,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -194,7 +215,9 @@ def test_costs_generalise_the_unit_counts():
 def test_bad_costs_are_rejected():
     with pytest.raises(ValueError, match="has 2 records, but the plan has 3 layers"):
         uniform(3, 1).peak_bytes([(1, 1, 1.0)] * 2)
-    with pytest.raises(TypeError, match="one \\(input_bytes, saved_bytes, forward_s\\) record per layer"):
+    with pytest.raises(
+        TypeError, match="one \\(input_bytes, saved_bytes, forward_s\\) record per layer"
+    ):
         uniform(2, 1).peak_bytes([(1, 1), (1, 1)])
     with pytest.raises(ValueError, match=r"layer_costs\[1\]"):
         uniform(2, 1).forward_s([(1, 1, 1.0), (1, -1, 1.0)])
@@ -210,11 +233,19 @@ def test_plan_for_budget_is_the_fastest_plan_that_fits():
     for n in (1, 2, 3, 4, 5):
         plans = [Plan(body) for body in all_plan_bodies(0, n)]
         for _ in range(4):
-            costs = [LayerCost(generator.randint(1, 4), generator.randint(1, 8), generator.choice([0.5, 1.0, 3.0]))
-                     for _ in range(n)]
+            costs = [
+                LayerCost(
+                    generator.randint(1, 4),
+                    generator.randint(1, 8),
+                    generator.choice([0.5, 1.0, 3.0]),
+                )
+                for _ in range(n)
+            ]
             peaks = [plan.peak_bytes(costs) for plan in plans]
             for budget in sorted(set(peaks)):
-                best = min(plan.forward_s(costs) for plan, peak in zip(plans, peaks) if peak <= budget)
+                best = min(
+                    plan.forward_s(costs) for plan, peak in zip(plans, peaks) if peak <= budget
+                )
                 chosen = plan_for_budget(costs, budget)
                 assert chosen.peak_bytes(costs) <= budget
                 assert chosen.forward_s(costs) == pytest.approx(best), (n, costs, budget)
@@ -251,7 +282,9 @@ def test_plan_for_budget_fits_when_sizes_need_rounding():
 
 def test_plan_for_budget_names_the_least_memory_needed():
     costs = [(100, 300, 1.0), (100, 200, 1.0), (50, 400, 1.0)]
-    with pytest.raises(ValueError, match="within 450 bytes: the least any plan keeps is 500 bytes") as error:
+    with pytest.raises(
+        ValueError, match="within 450 bytes: the least any plan keeps is 500 bytes"
+    ) as error:
         plan_for_budget(costs, 450)
     assert "Raise memory_budget to at least 500" in str(error.value)
     assert plan_for_budget(costs, 500).peak_bytes(costs) == 500

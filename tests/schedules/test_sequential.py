@@ -20,7 +20,9 @@ N = 16
 
 def mlp_chain(n: int = N, width: int = 8, dropout: float = 0.0, seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
-    blocks = [nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(dropout)) for _ in range(n)]
+    blocks = [
+        nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(dropout)) for _ in range(n)
+    ]
     return nn.Sequential(*blocks)
 
 
@@ -44,10 +46,22 @@ def assert_bitwise_equal(first, second):
 
 
 def every_plan(n: int = N) -> list[Plan]:
-    return [uniform(n, 1), uniform(n, 4), uniform(n, 5), uniform(n, n), sqrt_n(n), recursive(n),
-            revolve(n, 1), revolve(n, 2), revolve(n, 3), revolve(n, 6),
-            plan_for_budget([LayerCost(1, 2, 1.0)] * n, 7),
-            Plan([Segment(0, 6, (Segment(0, 3), 3, Segment(4, 6))), *range(6, n - 1), Segment(n - 1, n)])]
+    return [
+        uniform(n, 1),
+        uniform(n, 4),
+        uniform(n, 5),
+        uniform(n, n),
+        sqrt_n(n),
+        recursive(n),
+        revolve(n, 1),
+        revolve(n, 2),
+        revolve(n, 3),
+        revolve(n, 6),
+        plan_for_budget([LayerCost(1, 2, 1.0)] * n, 7),
+        Plan(
+            [Segment(0, 6, (Segment(0, 3), 3, Segment(4, 6))), *range(6, n - 1), Segment(n - 1, n)]
+        ),
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -75,14 +89,18 @@ def test_int_segments_run_the_uniform_plan():
     assert [layer for layer, _ in calls] == forward_order(uniform(N, 5))
 
 
-@pytest.mark.parametrize("wrap", [list, tuple, nn.ModuleList, lambda blocks: nn.Sequential(*blocks)])
+@pytest.mark.parametrize(
+    "wrap", [list, tuple, nn.ModuleList, lambda blocks: nn.Sequential(*blocks)]
+)
 def test_modules_may_be_a_sequential_a_module_list_or_a_list(wrap):
     chain = mlp_chain()
     x = torch.randn(4, 8, requires_grad=True)
     expected = output_and_grads(lambda: chain(x), chain, x)
     modules = wrap(list(chain))
-    assert_bitwise_equal(output_and_grads(lambda: checkpoint_sequential(modules, revolve(N, 2), x), chain, x),
-                         expected)
+    assert_bitwise_equal(
+        output_and_grads(lambda: checkpoint_sequential(modules, revolve(N, 2), x), chain, x),
+        expected,
+    )
 
 
 def test_functions_are_layers_too():
@@ -105,7 +123,9 @@ def count_calls(chain: nn.Sequential) -> list[tuple[int, bool]]:
     when early stop cuts it short inside the layer."""
     calls: list[tuple[int, bool]] = []
     for index, layer in enumerate(chain):
-        layer.register_forward_pre_hook(lambda module, args, index=index: calls.append((index, is_recomputing())))
+        layer.register_forward_pre_hook(
+            lambda module, args, index=index: calls.append((index, is_recomputing()))
+        )
     return calls
 
 
@@ -141,7 +161,9 @@ def test_revolve_calls_match_griewank_walther_for_longer_chains():
         calls.clear()
         plan = revolve(40, slots)
         checkpoint_sequential(chain, plan, x).sum().backward()
-        assert sum(recomputing for _, recomputing in calls) == plan.forward_steps  # r*l - C(s+r, s+1)
+        assert (
+            sum(recomputing for _, recomputing in calls) == plan.forward_steps
+        )  # r*l - C(s+r, s+1)
 
 
 def test_without_grad_the_chain_runs_once_plainly():
@@ -158,7 +180,9 @@ def test_regions_are_named_after_their_layers():
     chain = mlp_chain(n=4)
     x = torch.randn(2, 8, requires_grad=True)
     with record_trace() as trace:
-        checkpoint_sequential(chain, Plan([Segment(0, 2), Segment(2, 4, (Segment(2, 3), 3))]), x).sum().backward()
+        checkpoint_sequential(
+            chain, Plan([Segment(0, 2), Segment(2, 4, (Segment(2, 3), 3))]), x
+        ).sum().backward()
     regions = {event.region.split("@")[0] for event in trace.events}
     assert regions == {"layers[0:2]", "layers[2:4]", "layers[2:3]"}
 
@@ -186,7 +210,9 @@ def test_measured_peak_is_within_the_plans_prediction():
     x = torch.randn(batch, width)
     costs = measure_layer_costs(chain, x)
     activation = batch * width * 4
-    assert costs[3] == LayerCost(activation, 2 * activation, costs[3].forward_s)  # Linear input, ReLU output
+    assert costs[3] == LayerCost(
+        activation, 2 * activation, costs[3].forward_s
+    )  # Linear input, ReLU output
     # Not part of a plan's peak: the gradients of the parameters (allocated by every step, since
     # they are reset to None) and what is in flight, the current activation and its gradient.
     not_planned = sum(p.numel() * p.element_size() for p in chain.parameters()) + 2 * activation
@@ -221,26 +247,42 @@ def test_measure_layer_costs_sees_what_each_layer_saves():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("segments, message", [
-    (0, "segments=0 must be between 1 and the number of modules \\(16\\)"),
-    (-2, "segments=-2 must be between 1 and the number of modules"),
-    (17, "segments=17 must be between 1 and the number of modules \\(16\\)"),
-    (2.5, "segments must be an int \\(the number of segments\\) or a ckptlib.schedules.Plan, got 2.5"),
-    ("4", "got '4' \\(str\\)"),
-    (True, "got True \\(bool\\)"),
-    (revolve(8, 2), "the plan revolve\\(8, slots=2\\) is for 8 layers, but there are 16 modules"),
-])
+@pytest.mark.parametrize(
+    "segments, message",
+    [
+        (0, "segments=0 must be between 1 and the number of modules \\(16\\)"),
+        (-2, "segments=-2 must be between 1 and the number of modules"),
+        (17, "segments=17 must be between 1 and the number of modules \\(16\\)"),
+        (
+            2.5,
+            "segments must be an int \\(the number of segments\\) or a ckptlib.schedules.Plan, got "
+            "2.5",
+        ),
+        ("4", "got '4' \\(str\\)"),
+        (True, "got True \\(bool\\)"),
+        (
+            revolve(8, 2),
+            "the plan revolve\\(8, slots=2\\) is for 8 layers, but there are 16 modules",
+        ),
+    ],
+)
 def test_bad_segments_are_value_errors(segments, message):
     with pytest.raises(ValueError, match=message):
         checkpoint_sequential(mlp_chain(), segments, torch.randn(2, 8))
 
 
-@pytest.mark.parametrize("modules, message", [
-    (nn.Linear(8, 8), "must be an nn.Sequential, an nn.ModuleList or a list of modules, got Linear"),
-    ({"a": nn.Tanh()}, "got dict"),
-    (iter([nn.Tanh()]), "got list_iterator"),
-    ([nn.Tanh(), 3], "modules\\[1\\] is not a module or function \\(got int\\)"),
-])
+@pytest.mark.parametrize(
+    "modules, message",
+    [
+        (
+            nn.Linear(8, 8),
+            "must be an nn.Sequential, an nn.ModuleList or a list of modules, got Linear",
+        ),
+        ({"a": nn.Tanh()}, "got dict"),
+        (iter([nn.Tanh()]), "got list_iterator"),
+        ([nn.Tanh(), 3], "modules\\[1\\] is not a module or function \\(got int\\)"),
+    ],
+)
 def test_bad_modules_are_type_errors(modules, message):
     with pytest.raises(TypeError, match=message):
         checkpoint_sequential(modules, 1, torch.randn(2, 8))

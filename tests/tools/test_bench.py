@@ -16,9 +16,31 @@ import torch
 
 from ckptlib import bench
 from ckptlib.bench import (
-    MARKDOWN_BEGIN, MARKDOWN_END, METER_VARIANTS, SCHEMA, SUMMARY_KEYS, TINY, BenchError, BenchRun, Group,
-    ProgressBar, TransformerSize, Variant, draw_figure, fit_log, fit_power_law, format_bar, format_report,
-    format_table, main, median_and_iqr, ratio, selective_tradeoff, summarise_group, to_markdown, write_figures,
+    MARKDOWN_BEGIN,
+    MARKDOWN_END,
+    METER_VARIANTS,
+    SCHEMA,
+    SUMMARY_KEYS,
+    TINY,
+    BenchError,
+    BenchRun,
+    Group,
+    ProgressBar,
+    TransformerSize,
+    Variant,
+    draw_figure,
+    fit_log,
+    fit_power_law,
+    format_bar,
+    format_report,
+    format_table,
+    main,
+    median_and_iqr,
+    ratio,
+    selective_tradeoff,
+    summarise_group,
+    to_markdown,
+    write_figures,
     write_markdown,
 )
 from ckptlib.memory import TimelineEntry
@@ -32,7 +54,9 @@ def cli_run(tmp_path_factory):
     """One ``--quick`` run of the command line (at TINY sizes), with every output flag."""
     out = tmp_path_factory.mktemp("bench")
     readme = out / "README.md"
-    readme.write_text(f"# Results\n\nintro\n\n{MARKDOWN_BEGIN}\nSTALE RESULTS\n{MARKDOWN_END}\n\nafterword\n")
+    readme.write_text(
+        f"# Results\n\nintro\n\n{MARKDOWN_BEGIN}\nSTALE RESULTS\n{MARKDOWN_END}\n\nafterword\n"
+    )
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(bench, "QUICK", TINY)
@@ -40,11 +64,26 @@ def cli_run(tmp_path_factory):
         patch.setattr("sys.stdout", stdout)
         try:
             # One thread: tiny ops gain nothing from two, and a busy machine slows them a lot.
-            # --system-malloc: keep_freed_memory would change the allocator of the whole test process
+            # --system-malloc: keep_freed_memory would change the allocator of the whole test
+            # process
             # (tested on its own, in a subprocess).
-            code = main(["--quick", "--threads", "1", "--clock", "cpu", "--no-progress", "--system-malloc",
-                         "--json", str(out / "results" / "cpu.json"),
-                         "--markdown", str(readme), "--figures", str(out / "figures")])
+            code = main(
+                [
+                    "--quick",
+                    "--threads",
+                    "1",
+                    "--clock",
+                    "cpu",
+                    "--no-progress",
+                    "--system-malloc",
+                    "--json",
+                    str(out / "results" / "cpu.json"),
+                    "--markdown",
+                    str(readme),
+                    "--figures",
+                    str(out / "figures"),
+                ]
+            )
         finally:
             torch.set_num_threads(threads)
     return {"code": code, "out": out, "stdout": stdout.getvalue(),
@@ -62,7 +101,9 @@ def test_cli_writes_table_json_markdown_and_figures(cli_run):
         f"{name}.{suffix}" for name in FIGURES for suffix in ("png", "svg"))
     assert all(p.stat().st_size > 1000 for p in (out / "figures").iterdir())
     readme = (out / "README.md").read_text()
-    assert readme.startswith("# Results\n\nintro\n\n" + MARKDOWN_BEGIN) and readme.endswith(MARKDOWN_END + "\n\nafterword\n")
+    assert readme.startswith("# Results\n\nintro\n\n" + MARKDOWN_BEGIN) and readme.endswith(
+        MARKDOWN_END + "\n\nafterword\n"
+    )
     assert "STALE RESULTS" not in readme and "| `ckptlib` |" in readme
 
 
@@ -70,15 +111,30 @@ def test_json_schema(cli_run):
     summary = cli_run["summary"]
     assert tuple(summary) == SUMMARY_KEYS and summary["schema"] == SCHEMA
     environment = summary["environment"]
-    assert (environment["device"], environment["meter"], environment["clock"], environment["threads"]) == (
-        "cpu", "tensors", "cpu", 1)
+    assert (
+        environment["device"],
+        environment["meter"],
+        environment["clock"],
+        environment["threads"],
+    ) == ("cpu", "tensors", "cpu", 1)
     assert environment["allocator"] == "system default"        # --system-malloc
     assert summary["meter_agreement"] is None                 # only measured on CUDA
     groups = summary["groups"]
-    assert list(groups["blocks"]["variants"]) == ["plain", "torch", "ckptlib", "sqrt", "plain_metered",
-                                                  "plain_metered_timeline"]
-    assert set(groups["selective"]["tradeoffs"]) == {"torch_save_matmuls", "ckptlib_save_matmuls", "ckptlib_megatron",
-                                                      "ckptlib_cost_policy", "ckptlib_cost_policy_plans"}
+    assert list(groups["blocks"]["variants"]) == [
+        "plain",
+        "torch",
+        "ckptlib",
+        "sqrt",
+        "plain_metered",
+        "plain_metered_timeline",
+    ]
+    assert set(groups["selective"]["tradeoffs"]) == {
+        "torch_save_matmuls",
+        "ckptlib_save_matmuls",
+        "ckptlib_megatron",
+        "ckptlib_cost_policy",
+        "ckptlib_cost_policy_plans",
+    }
     for group in groups.values():
         for name, variant in group["variants"].items():
             assert len(variant["times_s"]) == TINY.rounds
@@ -88,12 +144,20 @@ def test_json_schema(cli_run):
             else:
                 assert isinstance(variant["peak_bytes"], int) and variant["peak_bytes"] > 0
     scaling = summary["scaling"]
-    assert scaling["ns"] == list(TINY.scaling_ns) and set(scaling["modes"]) == {"plain", "sqrt", "recursive"}
+    assert scaling["ns"] == list(TINY.scaling_ns) and set(scaling["modes"]) == {
+        "plain",
+        "sqrt",
+        "recursive",
+    }
     for record in scaling["modes"].values():
         assert set(record["power_fit"]) == {"exponent", "coefficient", "r2"}
-        assert all(len(record[key]) == len(TINY.scaling_ns) for key in ("peak_bytes", "forward_calls"))
+        assert all(
+            len(record[key]) == len(TINY.scaling_ns) for key in ("peak_bytes", "forward_calls")
+        )
     for target in summary["targets"]:
-        assert set(target) == {"name", "source", "value", "op", "threshold", "met"} and target["op"] in ("<=", ">=")
+        assert set(target) == {"name", "source", "value", "op", "threshold", "met"} and target[
+            "op"
+        ] in ("<=", ">=")
 
 
 def test_ratios_in_the_json_follow_from_its_measurements(cli_run):
@@ -104,9 +168,13 @@ def test_ratios_in_the_json_follow_from_its_measurements(cli_run):
         assert variant["median_s"] == median_and_iqr(variant["times_s"])[0]
         per_round = [t / p for t, p in zip(variant["times_s"], plain["times_s"])]
         assert (variant["time_vs_plain"], variant["time_vs_plain_iqr"]) == median_and_iqr(per_round)
-    assert blocks["ckptlib"]["memory_vs_plain"] == pytest.approx(blocks["ckptlib"]["peak_bytes"] / plain["peak_bytes"])
+    assert blocks["ckptlib"]["memory_vs_plain"] == pytest.approx(
+        blocks["ckptlib"]["peak_bytes"] / plain["peak_bytes"]
+    )
     pair = groups["blocks"]["pairs"]["ckptlib_vs_torch"]
-    assert pair["memory"] == pytest.approx(blocks["ckptlib"]["peak_bytes"] / blocks["torch"]["peak_bytes"])
+    assert pair["memory"] == pytest.approx(
+        blocks["ckptlib"]["peak_bytes"] / blocks["torch"]["peak_bytes"]
+    )
     assert cli_run["summary"]["meter_overhead"]["peak"] == blocks["plain_metered"]["time_vs_plain"]
 
 
@@ -128,9 +196,22 @@ def test_counted_forward_calls_match_the_plans(cli_run):
 
 def test_from_json_reports_a_saved_run(cli_run, tmp_path, capsys):
     markdown = tmp_path / "results.md"
-    assert main(["--from-json", str(cli_run["out"] / "results" / "cpu.json"), "--markdown", str(markdown)]) == 0
+    assert (
+        main(
+            [
+                "--from-json",
+                str(cli_run["out"] / "results" / "cpu.json"),
+                "--markdown",
+                str(markdown),
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("ckptlib.bench on cpu")
-    assert markdown.read_text() == f"{MARKDOWN_BEGIN}\n\n{to_markdown(cli_run['summary'])}\n{MARKDOWN_END}\n"
+    assert (
+        markdown.read_text()
+        == f"{MARKDOWN_BEGIN}\n\n{to_markdown(cli_run['summary'])}\n{MARKDOWN_END}\n"
+    )
 
 
 def test_from_json_refuses_figures_and_other_schemas(tmp_path):
@@ -142,7 +223,9 @@ def test_from_json_refuses_figures_and_other_schemas(tmp_path):
         main(["--from-json", str(stale), "--figures", str(tmp_path)])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown when there is no CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the message shown when there is no CUDA"
+)
 def test_cuda_without_a_gpu_fails_clearly():
     with pytest.raises(SystemExit, match="--device cuda: no CUDA device is available"):
         main(["--device", "cuda", "--quick"])
@@ -163,7 +246,7 @@ def test_run_refuses_a_device_it_cannot_measure():
     with pytest.raises(BenchError, match="'cpu' or 'cuda'"):
         bench.run(TINY, "meta", progress=None)
     with pytest.raises(BenchError, match="cuda"):
-        bench.run(replace(TINY, clock="cpu"), "cuda", progress=None)   # no CUDA here, or a CPU clock
+        bench.run(replace(TINY, clock="cpu"), "cuda", progress=None)  # no CUDA here, or a CPU clock
 
 
 # -- pure functions ---------------------------------------------------------------
@@ -178,9 +261,19 @@ def test_ratio_and_statistics():
 
 
 def test_summarise_group_from_given_numbers():
-    group = Group("g", "title", "model", [Variant("plain", "p", None, None), Variant("torch", "t", None, None),
-                                          Variant("ckptlib", "c", None, None), Variant("ckptlib_sel", "s", None, None)],
-                  pairs={"ckptlib_vs_torch": ("ckptlib", "torch")}, tradeoffs={"ckptlib_sel": "ckptlib"})
+    group = Group(
+        "g",
+        "title",
+        "model",
+        [
+            Variant("plain", "p", None, None),
+            Variant("torch", "t", None, None),
+            Variant("ckptlib", "c", None, None),
+            Variant("ckptlib_sel", "s", None, None),
+        ],
+        pairs={"ckptlib_vs_torch": ("ckptlib", "torch")},
+        tradeoffs={"ckptlib_sel": "ckptlib"},
+    )
     peaks = {"plain": 1000, "torch": 400, "ckptlib": 300, "ckptlib_sel": 650}
     times = {"plain": [1.0, 1.2, 0.8], "torch": [2.0, 2.0, 2.0], "ckptlib": [1.6, 1.5, 1.7],
              "ckptlib_sel": [1.2, 1.1, 1.3]}
@@ -190,22 +283,35 @@ def test_summarise_group_from_given_numbers():
     assert variants["ckptlib"]["memory_vs_plain"] == 0.3
     # time ratios are medians of per-round ratios: torch 2, 1.67, 2.5; ckptlib 1.6, 1.25, 2.125
     assert variants["torch"]["time_vs_plain"] == 2.0 and variants["ckptlib"]["time_vs_plain"] == 1.6
-    assert variants["ckptlib"]["median_s"] == 1.6 and variants["ckptlib"]["iqr_s"] == pytest.approx(0.1)
+    assert variants["ckptlib"]["median_s"] == 1.6 and variants["ckptlib"]["iqr_s"] == pytest.approx(
+        0.1
+    )
     assert record["pairs"]["ckptlib_vs_torch"] == {"numerator": "ckptlib", "denominator": "torch",
                                                    "memory": 0.75, "time": 0.8}
     # per-round ckptlib/torch: 0.8, 0.75, 0.85; kept (1000-650)/(1000-300) = 0.5 of the saving,
     # paid (1.2-1)/(1.6-1) = 1/3 of the extra time (per-round selective/plain: 1.2, 0.92, 1.63)
-    assert record["tradeoffs"]["ckptlib_sel"] == {"full": "ckptlib", "saving_kept": 0.5,
-                                                  "extra_time_paid": pytest.approx(1 / 3),
-                                                  "extra_time_paid_interval": None}    # 3 rounds: too few
-    times = {name: values * 3 for name, values in times.items()}      # 9 rounds: an interval around 1/3
-    low, high = summarise_group(group, peaks, times)["tradeoffs"]["ckptlib_sel"]["extra_time_paid_interval"]
+    assert record["tradeoffs"]["ckptlib_sel"] == {
+        "full": "ckptlib",
+        "saving_kept": 0.5,
+        "extra_time_paid": pytest.approx(1 / 3),
+        "extra_time_paid_interval": None,
+    }  # 3 rounds: too few
+    times = {name: values * 3 for name, values in times.items()}  # 9 rounds: an interval around 1/3
+    low, high = summarise_group(group, peaks, times)["tradeoffs"]["ckptlib_sel"][
+        "extra_time_paid_interval"
+    ]
     assert low <= 1 / 3 <= high
 
 
 def test_selective_tradeoff_edge_cases():
-    assert selective_tradeoff((100, 1.0), (100, 1.0), (90, 1.0)) == {"saving_kept": None, "extra_time_paid": None}
-    assert selective_tradeoff((100, 1.0), (50, 2.0), (50, 2.0)) == {"saving_kept": 1.0, "extra_time_paid": 1.0}
+    assert selective_tradeoff((100, 1.0), (100, 1.0), (90, 1.0)) == {
+        "saving_kept": None,
+        "extra_time_paid": None,
+    }
+    assert selective_tradeoff((100, 1.0), (50, 2.0), (50, 2.0)) == {
+        "saving_kept": 1.0,
+        "extra_time_paid": 1.0,
+    }
 
 
 def test_power_law_fit_recovers_the_exponent_from_noisy_data():
@@ -229,8 +335,9 @@ def test_log_fit_tells_log_growth_from_square_root_growth():
     assert fit_power_law(ns, logarithmic)["exponent"] < 0.1
 
 
-@pytest.mark.parametrize("ns, values", [([16], [1.0]), ([16, 16], [1.0, 2.0]), ([0, 16], [1.0, 2.0]),
-                                        ([16, 32], [1.0])])
+@pytest.mark.parametrize(
+    "ns, values", [([16], [1.0]), ([16, 16], [1.0, 2.0]), ([0, 16], [1.0, 2.0]), ([16, 32], [1.0])]
+)
 def test_fits_reject_what_they_cannot_fit(ns, values):
     with pytest.raises(ValueError):
         fit_power_law(ns, values)
@@ -268,7 +375,12 @@ def test_progress_bar_redraws_on_a_terminal_and_writes_few_lines_to_a_log():
 
 def test_format_table_aligns_columns():
     table = format_table(["name", "value"], [["a", 1], ["long name", None]])
-    assert table.splitlines() == ["name       value", "---------  -----", "a              1", "long name"]
+    assert table.splitlines() == [
+        "name       value",
+        "---------  -----",
+        "a              1",
+        "long name",
+    ]
 
 
 def test_write_markdown_appends_then_replaces(tmp_path, cli_run):
@@ -285,10 +397,15 @@ def test_keep_freed_memory_sets_glibc_in_its_own_process():
     import subprocess
     import sys
 
-    script = "from ckptlib.bench import keep_freed_memory as k, TINY; from ckptlib.bench.timing import _environment; " \
-             "print(k()); " \
-             "import torch; print(_environment(TINY, torch.device('cpu'))['allocator'])"
-    lines = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.split("\n")
+    script = (
+        "from ckptlib.bench import keep_freed_memory as k, TINY; from ckptlib.bench.timing import "
+        "_environment; "
+        "print(k()); "
+        "import torch; print(_environment(TINY, torch.device('cpu'))['allocator'])"
+    )
+    lines = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.split("\n")
     if sys.platform.startswith("linux") and "glibc" in " ".join(__import__("platform").libc_ver()):
         assert lines[0] == lines[1] == "glibc, freed memory kept for reuse (mallopt)"
     else:
@@ -303,9 +420,13 @@ COMMITTED = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cp
 def committed_run() -> BenchRun:
     """The committed CPU results, with made-up timelines (only the timeline figure reads them)."""
     summary = json.loads(COMMITTED.read_text())
-    timelines = {f"blocks/{name}": [TimelineEntry(i, "aten.mm", phase, 2**20 * (i % 37))
-                                    for i, phase in enumerate(["forward"] * 400 + ["recompute", "backward"] * 300)]
-                 for name in ("plain", "ckptlib")}
+    timelines = {
+        f"blocks/{name}": [
+            TimelineEntry(i, "aten.mm", phase, 2**20 * (i % 37))
+            for i, phase in enumerate(["forward"] * 400 + ["recompute", "backward"] * 300)
+        ]
+        for name in ("plain", "ckptlib")
+    }
     return BenchRun(summary, timelines)
 
 
@@ -317,17 +438,32 @@ def outside_the_canvas(figure) -> list[str]:
     canvas = FigureCanvasAgg(figure)
     canvas.draw()
     renderer = canvas.get_renderer()
-    drawn = figure.get_tightbbox(renderer)      # in inches: everything drawn, texts included
-    if drawn.x0 >= 0 and drawn.y0 >= 0 and drawn.x1 <= figure.get_figwidth() and drawn.y1 <= figure.get_figheight():
+    drawn = figure.get_tightbbox(renderer)  # in inches: everything drawn, texts included
+    if (
+        drawn.x0 >= 0
+        and drawn.y0 >= 0
+        and drawn.x1 <= figure.get_figwidth()
+        and drawn.y1 <= figure.get_figheight()
+    ):
         return []
 
     def clipped(text: Text) -> bool:
         extent = text.get_window_extent(renderer)
-        return extent.x0 < 0 or extent.y0 < 0 or extent.x1 > figure.bbox.width or extent.y1 > figure.bbox.height
+        return (
+            extent.x0 < 0
+            or extent.y0 < 0
+            or extent.x1 > figure.bbox.width
+            or extent.y1 > figure.bbox.height
+        )
 
-    texts = [text.get_text() for text in figure.findobj(Text) if text.get_visible() and text.get_text()]
-    return [text.get_text() for text in figure.findobj(Text) if text.get_text() in texts and clipped(text)] or [
-        f"something drawn spans {drawn}"]
+    texts = [
+        text.get_text() for text in figure.findobj(Text) if text.get_visible() and text.get_text()
+    ]
+    return [
+        text.get_text()
+        for text in figure.findobj(Text)
+        if text.get_text() in texts and clipped(text)
+    ] or [f"something drawn spans {drawn}"]
 
 
 @pytest.mark.parametrize("name", FIGURES)
@@ -348,8 +484,12 @@ def test_figures_redraw_from_a_saved_run(tmp_path):
     saved = BenchRun(json.loads(COMMITTED.read_text()), {})
     names = [name for name in FIGURES if name != "memory_timeline"]
     written = write_figures(saved, tmp_path, names=names)
-    assert sorted(p.name for p in written) == sorted(f"{name}.{suffix}" for name in names for suffix in ("png", "svg"))
-    with pytest.raises(BenchError, match="memory_timeline needs the per-op timelines of a fresh run"):
+    assert sorted(p.name for p in written) == sorted(
+        f"{name}.{suffix}" for name in names for suffix in ("png", "svg")
+    )
+    with pytest.raises(
+        BenchError, match="memory_timeline needs the per-op timelines of a fresh run"
+    ):
         write_figures(saved, tmp_path / "more")
     assert not (tmp_path / "more").exists()        # checked before anything was written
 
@@ -359,33 +499,110 @@ def test_figures_redraw_from_a_saved_run(tmp_path):
 _SIZE = dict(depth=2, d_model=16, heads=2, seq=8, vocab=32, batch=2)
 
 BAD_CALLS = [
-    ("run config str", lambda: bench.run("TINY", progress=None), TypeError, ["config must be a Config", "str"]),
-    ("run device tpu", lambda: bench.run(TINY, "tpu", progress=None), BenchError, ["--device tpu", "'cpu' or 'cuda'"]),
-    ("run progress str", lambda: bench.run(TINY, progress="yes"), TypeError, ["progress must be 'auto'", "'yes'"]),
-    ("Config rounds 0", lambda: replace(TINY, rounds=0), ValueError, ["Config: rounds must be at least 1", "got 0"]),
-    ("Config rounds str", lambda: replace(TINY, rounds="5"), TypeError, ["Config: rounds must be an int", "'5'"]),
-    ("Config clock", lambda: replace(TINY, clock="sundial"), ValueError, ["clock must be one of", "'sundial'"]),
-    ("Config one n", lambda: replace(TINY, scaling_ns=(16, 16)), ValueError, ["scaling_ns", "2 different ints"]),
-    ("Config no depths", lambda: replace(TINY, depths=()), ValueError, ["depths must be a tuple of at least 1"]),
-    ("Config negative n", lambda: replace(TINY, scaling_ns=(-4, 16)), ValueError, ["each of scaling_ns", "-4"]),
-    ("Config blocks", lambda: replace(TINY, blocks=(2, 16)), TypeError, ["blocks must be a TransformerSize"]),
+    (
+        "run config str",
+        lambda: bench.run("TINY", progress=None),
+        TypeError,
+        ["config must be a Config", "str"],
+    ),
+    (
+        "run device tpu",
+        lambda: bench.run(TINY, "tpu", progress=None),
+        BenchError,
+        ["--device tpu", "'cpu' or 'cuda'"],
+    ),
+    (
+        "run progress str",
+        lambda: bench.run(TINY, progress="yes"),
+        TypeError,
+        ["progress must be 'auto'", "'yes'"],
+    ),
+    (
+        "Config rounds 0",
+        lambda: replace(TINY, rounds=0),
+        ValueError,
+        ["Config: rounds must be at least 1", "got 0"],
+    ),
+    (
+        "Config rounds str",
+        lambda: replace(TINY, rounds="5"),
+        TypeError,
+        ["Config: rounds must be an int", "'5'"],
+    ),
+    (
+        "Config clock",
+        lambda: replace(TINY, clock="sundial"),
+        ValueError,
+        ["clock must be one of", "'sundial'"],
+    ),
+    (
+        "Config one n",
+        lambda: replace(TINY, scaling_ns=(16, 16)),
+        ValueError,
+        ["scaling_ns", "2 different ints"],
+    ),
+    (
+        "Config no depths",
+        lambda: replace(TINY, depths=()),
+        ValueError,
+        ["depths must be a tuple of at least 1"],
+    ),
+    (
+        "Config negative n",
+        lambda: replace(TINY, scaling_ns=(-4, 16)),
+        ValueError,
+        ["each of scaling_ns", "-4"],
+    ),
+    (
+        "Config blocks",
+        lambda: replace(TINY, blocks=(2, 16)),
+        TypeError,
+        ["blocks must be a TransformerSize"],
+    ),
     ("Config quick", lambda: replace(TINY, quick="no"), TypeError, ["quick must be True or False"]),
-    ("TransformerSize depth 0", lambda: TransformerSize(**{**_SIZE, "depth": 0}), ValueError,
-     ["TransformerSize: depth must be at least 1"]),
-    ("TransformerSize heads str", lambda: TransformerSize(**{**_SIZE, "heads": "2"}), TypeError,
-     ["TransformerSize: heads must be an int", "'2'"]),
+    (
+        "TransformerSize depth 0",
+        lambda: TransformerSize(**{**_SIZE, "depth": 0}),
+        ValueError,
+        ["TransformerSize: depth must be at least 1"],
+    ),
+    (
+        "TransformerSize heads str",
+        lambda: TransformerSize(**{**_SIZE, "heads": "2"}),
+        TypeError,
+        ["TransformerSize: heads must be an int", "'2'"],
+    ),
     ("format_report empty", lambda: format_report({}), BenchError, ["schema None", SCHEMA]),
-    ("to_markdown old schema", lambda: to_markdown({"schema": "ckptlib.bench/0"}), BenchError,
-     ["schema 'ckptlib.bench/0'", "rerun the bench"]),
-    ("to_markdown a list", lambda: to_markdown([]), BenchError, ["a list is not a ckptlib.bench summary"]),
-    ("write_figures summary", lambda: write_figures({"schema": SCHEMA}, "figures"), TypeError,
-     ["bench must be a BenchRun", "dict"]),
-    ("draw_figure name", lambda: draw_figure("pie_chart", committed_run()), ValueError,
-     ["no figure named 'pie_chart'", "memory_vs_depth"]),
+    (
+        "to_markdown old schema",
+        lambda: to_markdown({"schema": "ckptlib.bench/0"}),
+        BenchError,
+        ["schema 'ckptlib.bench/0'", "rerun the bench"],
+    ),
+    (
+        "to_markdown a list",
+        lambda: to_markdown([]),
+        BenchError,
+        ["a list is not a ckptlib.bench summary"],
+    ),
+    (
+        "write_figures summary",
+        lambda: write_figures({"schema": SCHEMA}, "figures"),
+        TypeError,
+        ["bench must be a BenchRun", "dict"],
+    ),
+    (
+        "draw_figure name",
+        lambda: draw_figure("pie_chart", committed_run()),
+        ValueError,
+        ["no figure named 'pie_chart'", "memory_vs_depth"],
+    ),
 ]
 
 
-@pytest.mark.parametrize("call, exception, words", [row[1:] for row in BAD_CALLS], ids=[row[0] for row in BAD_CALLS])
+@pytest.mark.parametrize(
+    "call, exception, words", [row[1:] for row in BAD_CALLS], ids=[row[0] for row in BAD_CALLS]
+)
 def test_bad_arguments_of_the_python_entry_points(call, exception, words):
     with pytest.raises(exception) as info:
         call()
@@ -393,11 +610,26 @@ def test_bad_arguments_of_the_python_entry_points(call, exception, words):
 
 
 BAD_COMMAND_LINES = [
-    ("from-json missing", ["--from-json", "{tmp}/missing.json"], ["--from-json", "missing.json", "cannot read"]),
-    ("from-json not JSON", ["--from-json", "{tmp}/notes.txt"], ["notes.txt: cannot read a JSON summary"]),
-    ("from-json and rounds", ["--from-json", "{tmp}/notes.txt", "--rounds", "3", "--threads", "1"],
-     ["--rounds --threads: only for a measurement"]),
-    ("markdown in a missing dir", ["--markdown", "{tmp}/nowhere/README.md"], ["--markdown", "existing directory"]),
+    (
+        "from-json missing",
+        ["--from-json", "{tmp}/missing.json"],
+        ["--from-json", "missing.json", "cannot read"],
+    ),
+    (
+        "from-json not JSON",
+        ["--from-json", "{tmp}/notes.txt"],
+        ["notes.txt: cannot read a JSON summary"],
+    ),
+    (
+        "from-json and rounds",
+        ["--from-json", "{tmp}/notes.txt", "--rounds", "3", "--threads", "1"],
+        ["--rounds --threads: only for a measurement"],
+    ),
+    (
+        "markdown in a missing dir",
+        ["--markdown", "{tmp}/nowhere/README.md"],
+        ["--markdown", "existing directory"],
+    ),
     ("json is a dir", ["--json", "{tmp}"], ["--json", "is a directory"]),
     ("figures is a file", ["--figures", "{tmp}/notes.txt"], ["--figures", "is a file"]),
     ("device before malloc", ["--device", "tpu", "--quick"], ["--device tpu"]),
@@ -408,8 +640,12 @@ BAD_COMMAND_LINES = [
                          ids=[row[0] for row in BAD_COMMAND_LINES])
 def test_bad_command_lines_fail_before_measuring(argv, words, tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("not json")
-    monkeypatch.setattr("ckptlib.bench.cli.run", lambda *a, **k: pytest.fail("measured despite a bad argument"))
-    monkeypatch.setattr("ckptlib.bench.cli.keep_freed_memory", lambda: pytest.fail("changed the allocator"))
+    monkeypatch.setattr(
+        "ckptlib.bench.cli.run", lambda *a, **k: pytest.fail("measured despite a bad argument")
+    )
+    monkeypatch.setattr(
+        "ckptlib.bench.cli.keep_freed_memory", lambda: pytest.fail("changed the allocator")
+    )
     with pytest.raises(SystemExit) as info:
         main([arg.format(tmp=tmp_path) for arg in argv])
     assert all(word in str(info.value) for word in words), str(info.value)

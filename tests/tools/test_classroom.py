@@ -56,7 +56,9 @@ def test_every_notebook_has_its_solutions_and_no_solutions_are_orphans():
     assert NOTEBOOKS, "no notebooks/NN_topic.ipynb found"
     expected = {f"{notebook.stem}_solutions" for notebook in NOTEBOOKS}
     found = {solution.stem for solution in SOLUTIONS}
-    assert expected - found == set(), "notebooks without notebooks/solutions/NN_topic_solutions.ipynb"
+    assert expected - found == set(), (
+        "notebooks without notebooks/solutions/NN_topic_solutions.ipynb"
+    )
     assert found - expected == set(), "solutions without their notebook"
 
 
@@ -64,36 +66,56 @@ def test_every_notebook_has_its_solutions_and_no_solutions_are_orphans():
 def test_notebook_opens_with_goals_and_ends_with_a_summary(path):
     cells = read(path).cells
     first, last = cells[0], cells[-1]
-    assert first.cell_type == "markdown" and first.source.startswith("# "), "start with a `# NN · Title` cell"
+    assert first.cell_type == "markdown" and first.source.startswith("# "), (
+        "start with a `# NN · Title` cell"
+    )
     assert "learning goals" in first.source.lower(), "the first cell lists the learning goals"
-    assert last.cell_type == "markdown" and last.source.startswith("## Summary"), "end with a `## Summary` cell"
+    assert last.cell_type == "markdown" and last.source.startswith("## Summary"), (
+        "end with a `## Summary` cell"
+    )
 
 
 @pytest.mark.parametrize("path", by_stem(NOTEBOOKS + SOLUTIONS))
 def test_every_cell_has_slide_metadata(path):
     cells = read(path).cells
-    missing = [cell.id for cell in cells if cell.metadata.get("slideshow", {}).get("slide_type") not in SLIDE_TYPES]
-    assert missing == [], f"cells without slideshow.slide_type (one of {sorted(SLIDE_TYPES)}): {missing}"
+    missing = [
+        cell.id
+        for cell in cells
+        if cell.metadata.get("slideshow", {}).get("slide_type") not in SLIDE_TYPES
+    ]
+    assert missing == [], (
+        f"cells without slideshow.slide_type (one of {sorted(SLIDE_TYPES)}): {missing}"
+    )
     assert cells[0].metadata.slideshow.slide_type == "slide", "the title cell opens the first slide"
 
 
 @pytest.mark.parametrize("path", by_stem(NOTEBOOKS))
 def test_every_exercise_is_followed_by_its_self_check(path):
-    marks = [(cell.id, "exercise" in tags(cell), "self-check" in tags(cell)) for cell in read(path).cells]
+    marks = [
+        (cell.id, "exercise" in tags(cell), "self-check" in tags(cell)) for cell in read(path).cells
+    ]
     sequence = "".join("E" if exercise else "S" if check else "" for _, exercise, check in marks)
-    assert sequence.count("E") >= 2, f"at least two exercises (cells tagged `exercise`), found {sequence.count('E')}"
-    # Each exercise, then its self-check before the next exercise; a check belongs to the exercise before it.
-    assert re.fullmatch(r"(ES+)+", sequence), f"tagged cells in order: {sequence} (E exercise, S self-check)"
+    assert sequence.count("E") >= 2, (
+        f"at least two exercises (cells tagged `exercise`), found {sequence.count('E')}"
+    )
+    # Each exercise, then its self-check before the next exercise; a check belongs to the exercise
+    # before it.
+    assert re.fullmatch(r"(ES+)+", sequence), (
+        f"tagged cells in order: {sequence} (E exercise, S self-check)"
+    )
 
 
 @pytest.mark.parametrize("path", by_stem(NOTEBOOKS + SOLUTIONS))
 def test_nbgrader_metadata_is_valid_and_matches_the_tags(path):
-    """What nbgrader's MetadataValidatorV3 checks, plus: exercises are editable answers, self-checks locked."""
+    """What nbgrader's MetadataValidatorV3 checks, plus: exercises are editable answers,
+    self-checks locked."""
     grade_ids = []
     for cell in read(path).cells:
         meta = cell.metadata.get("nbgrader")
         is_exercise, is_check = "exercise" in tags(cell), "self-check" in tags(cell)
-        assert (meta is not None) == (is_exercise or is_check), f"{cell.id}: nbgrader metadata iff exercise/self-check"
+        assert (meta is not None) == (is_exercise or is_check), (
+            f"{cell.id}: nbgrader metadata iff exercise/self-check"
+        )
         if meta is None:
             continue
         jsonschema.validate(meta, NBGRADER_V3)
@@ -104,11 +126,17 @@ def test_nbgrader_metadata_is_valid_and_matches_the_tags(path):
         if meta.get("task", False):
             assert cell.cell_type == "markdown", f"{cell.id}: task cells must be markdown"
         elif cell.cell_type == "markdown":
-            assert meta["grade"] and meta["solution"], f"{cell.id}: a markdown answer must be graded and a solution"
+            assert meta["grade"] and meta["solution"], (
+                f"{cell.id}: a markdown answer must be graded and a solution"
+            )
         if is_exercise:
-            assert meta["solution"] and not meta["locked"], f"{cell.id}: learners write exercises (solution, unlocked)"
+            assert meta["solution"] and not meta["locked"], (
+                f"{cell.id}: learners write exercises (solution, unlocked)"
+            )
         else:
-            assert meta["locked"] and not meta["solution"], f"{cell.id}: self-checks are locked, not answers"
+            assert meta["locked"] and not meta["solution"], (
+                f"{cell.id}: self-checks are locked, not answers"
+            )
     assert len(grade_ids) == len(set(grade_ids)), f"duplicate grade_id: {sorted(grade_ids)}"
 
 
@@ -134,7 +162,9 @@ def site(build_classroom) -> Path:
 
 
 def test_site_has_a_page_for_every_document(site):
-    expected = [Path("index.html")] + [path.relative_to(ROOT).with_suffix(".html") for path in NOTEBOOKS + SOLUTIONS]
+    expected = [Path("index.html")] + [
+        path.relative_to(ROOT).with_suffix(".html") for path in NOTEBOOKS + SOLUTIONS
+    ]
     if (ROOT / "docs" / "instructor.md").exists():
         expected.append(Path("docs/instructor.html"))
     assert [str(page) for page in expected if not (site / page).is_file()] == []
@@ -164,12 +194,19 @@ def widget_notebook(state: dict, model_id: str = "view") -> nbformat.NotebookNod
         classroom.WIDGET_VIEW: {"model_id": model_id, "version_major": 2, "version_minor": 0},
         "text/plain": "MemoryDashboard(per block, depth 4)"})
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("dashboard", outputs=[output])])
-    nb.metadata["widgets"] = {classroom.WIDGET_STATE: {"state": state, "version_major": 2, "version_minor": 0}}
+    nb.metadata["widgets"] = {
+        classroom.WIDGET_STATE: {"state": state, "version_major": 2, "version_minor": 0}
+    }
     return nb
 
 
 def model(module: str = "@jupyter-widgets/controls", **state) -> dict:
-    return {"model_module": module, "model_module_version": "2.0.0", "model_name": "VBoxModel", "state": state}
+    return {
+        "model_module": module,
+        "model_module_version": "2.0.0",
+        "model_name": "VBoxModel",
+        "state": state,
+    }
 
 
 DOCUMENT = classroom.PurePosixPath("notebooks/06_x.ipynb")
@@ -179,7 +216,10 @@ def test_a_widget_with_its_state_is_a_snapshot_with_a_note():
     state = {"view": model(children=["IPY_MODEL_child"]), "child": model(), "stale": model()}
     nb = classroom.static_widgets(widget_notebook(state), DOCUMENT)
     note, view = nb.cells[0].outputs
-    assert "Static snapshot" in note.data["text/html"] and "notebooks/06_x.ipynb" in note.data["text/html"]
+    assert (
+        "Static snapshot" in note.data["text/html"]
+        and "notebooks/06_x.ipynb" in note.data["text/html"]
+    )
     assert classroom.WIDGET_VIEW in view.data
     # The saved state keeps what the shown widgets need: "stale" belonged to no output.
     assert sorted(nb.metadata.widgets[classroom.WIDGET_STATE]["state"]) == ["child", "view"]
@@ -194,7 +234,10 @@ def test_a_widget_with_its_picture_shows_the_picture_its_cell_showed_not_the_las
     nb = classroom.static_widgets(nb, DOCUMENT)
     note, picture = nb.cells[0].outputs
     assert "Picture of an interactive widget as its cell showed it" in note.data["text/html"]
-    assert picture.data == {"image/png": "iVBORw0KGgo=", "text/plain": "MemoryDashboard(per block, depth 4)"}
+    assert picture.data == {
+        "image/png": "iVBORw0KGgo=",
+        "text/plain": "MemoryDashboard(per block, depth 4)",
+    }
     assert picture.metadata == {"image/png": {"width": 656}}
     assert "widgets" not in nb.metadata   # no view left: nothing is drawn from the saved state
     body, _ = classroom.HTMLExporter().from_notebook_node(nb)
@@ -203,15 +246,22 @@ def test_a_widget_with_its_picture_shows_the_picture_its_cell_showed_not_the_las
 
 def test_a_widget_without_a_picture_says_its_snapshot_is_the_saved_state():
     nb = classroom.static_widgets(widget_notebook({"view": model()}), DOCUMENT)
-    assert "in the state it was saved with (later cells may have changed it" in nb.cells[0].outputs[0].data["text/html"]
+    assert (
+        "in the state it was saved with (later cells may have changed it"
+        in nb.cells[0].outputs[0].data["text/html"]
+    )
 
 
 def test_in_a_deck_a_widget_gets_a_cell_of_its_own_without_code():
-    nb = classroom.slides_apart(classroom.static_widgets(widget_notebook({"view": model()}), DOCUMENT))
+    nb = classroom.slides_apart(
+        classroom.static_widgets(widget_notebook({"view": model()}), DOCUMENT)
+    )
     code, apart = nb.cells
     assert code.source == "dashboard" and code.outputs == []
     assert apart.metadata["tags"] == [classroom.OUTPUTS_ONLY] and len(apart.outputs) == 2
-    body, _ = classroom.SlidesExporter(config=classroom.asset_config("_static")).from_notebook_node(nb)
+    body, _ = classroom.SlidesExporter(config=classroom.asset_config("_static")).from_notebook_node(
+        nb
+    )
     assert body.count("jp-InputArea jp-Cell-inputArea") == 1, "the widget's cell shows no code"
 
 
@@ -232,7 +282,9 @@ def test_a_widget_without_its_state_becomes_a_note_that_names_it(state):
 def test_nbconvert_shows_the_note_not_an_empty_box_for_a_widget_without_state():
     """nbconvert alone falls back to the widget's text repr (or, with a partial state, an empty
     box the widgets manager cannot fill); after static_widgets the page shows the note."""
-    nb = classroom.static_widgets(widget_notebook({"view": model(children=["IPY_MODEL_gone"])}), DOCUMENT)
+    nb = classroom.static_widgets(
+        widget_notebook({"view": model(children=["IPY_MODEL_gone"])}), DOCUMENT
+    )
     body, _ = classroom.HTMLExporter().from_notebook_node(nb)
     assert "course-widget-note" in body and "its state was not saved" in body
     assert classroom.WIDGET_VIEW not in body
@@ -240,26 +292,50 @@ def test_nbconvert_shows_the_note_not_an_empty_box_for_a_widget_without_state():
 
 def test_slides_use_a_16_9_canvas_and_their_own_start_up():
     config = classroom.asset_config("_static")
-    assert (config.SlidesExporter.reveal_width, config.SlidesExporter.reveal_height) == ("1280", "720")
-    assert "reveal_scroll" not in config.SlidesExporter   # slides.js fits slides instead of scrolling them
-    assert "courseSlides.start" in classroom.SLIDES_TEMPLATE and 'navigationMode: "linear"' in classroom.SLIDES_TEMPLATE
-    assert sorted(path.name for path in classroom.COURSE_STATIC.iterdir()) == ["slides.css", "slides.js"]
+    assert (config.SlidesExporter.reveal_width, config.SlidesExporter.reveal_height) == (
+        "1280",
+        "720",
+    )
+    assert (
+        "reveal_scroll" not in config.SlidesExporter
+    )  # slides.js fits slides instead of scrolling them
+    assert (
+        "courseSlides.start" in classroom.SLIDES_TEMPLATE
+        and 'navigationMode: "linear"' in classroom.SLIDES_TEMPLATE
+    )
+    assert sorted(path.name for path in classroom.COURSE_STATIC.iterdir()) == [
+        "slides.css",
+        "slides.js",
+    ]
 
 
 def test_the_slides_index_puts_each_notebooks_solutions_after_it():
-    pages = {classroom.PurePosixPath(f"notebooks/{name}.ipynb"): classroom.PurePosixPath(f"{name}.slides.html")
-             for name in ("01_b", "00_a")}
-    pages[classroom.PurePosixPath("notebooks/solutions/00_a_solutions.ipynb")] = classroom.PurePosixPath(
-        "solutions/00_a_solutions.slides.html")
-    titles = {classroom.PurePosixPath("notebooks/00_a.ipynb"): "00 · A & more", classroom.PurePosixPath(
-        "notebooks/01_b.ipynb"): "01 · B"}
+    pages = {
+        classroom.PurePosixPath(f"notebooks/{name}.ipynb"): classroom.PurePosixPath(
+            f"{name}.slides.html"
+        )
+        for name in ("01_b", "00_a")
+    }
+    pages[classroom.PurePosixPath("notebooks/solutions/00_a_solutions.ipynb")] = (
+        classroom.PurePosixPath("solutions/00_a_solutions.slides.html")
+    )
+    titles = {
+        classroom.PurePosixPath("notebooks/00_a.ipynb"): "00 · A & more",
+        classroom.PurePosixPath("notebooks/01_b.ipynb"): "01 · B",
+    }
     links = re.findall(r'<a href="([^"]+)">([^<]+)</a>', classroom.slides_index(pages, titles))
-    assert links == [("00_a.slides.html", "00 · A &amp; more"), ("solutions/00_a_solutions.slides.html", "solutions"),
-                     ("01_b.slides.html", "01 · B")]
+    assert links == [
+        ("00_a.slides.html", "00 · A &amp; more"),
+        ("solutions/00_a_solutions.slides.html", "solutions"),
+        ("01_b.slides.html", "01 · B"),
+    ]
 
 
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if classroom.WIDGET_VIEW in p.read_text(encoding="utf-8")],
-                         ids=lambda path: path.stem)
+@pytest.mark.parametrize(
+    "path",
+    [p for p in NOTEBOOKS if classroom.WIDGET_VIEW in p.read_text(encoding="utf-8")],
+    ids=lambda path: path.stem,
+)
 def test_site_labels_each_widget_as_a_snapshot(site, path):
     page = (site / path.relative_to(ROOT).with_suffix(".html")).read_text(encoding="utf-8")
     notes = page.count('class="course-widget-note"')

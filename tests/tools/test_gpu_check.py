@@ -12,11 +12,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the dry run on a machine without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the dry run on a machine without CUDA"
+)
 def test_gpu_check_dry_run_stops_at_the_cuda_check(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
-    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path)], env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     summary = (tmp_path / "summary.txt").read_text()
     assert result.returncode == 2, result.stdout + result.stderr
     for line in ("PASS  imports", "PASS  jupyter kernel starts", "PASS  collect tests",

@@ -1,4 +1,6 @@
-"""benchmarks/guard_cost.py: it measures every variant, and its Markdown lands between the markers."""
+"""benchmarks/guard_cost.py: it measures every variant, and its Markdown lands between the
+markers."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,7 +31,8 @@ def test_a_tiny_run_measures_every_variant_and_the_guards_switch_back_on(guard_c
         assert set(numbers["median_us_per_step"]) == {"plain", "torch.utils.checkpoint", "ckptlib",
                                                       "ckptlib, guards off"}
         assert all(value > 0 for value in numbers["median_us_per_step"].values())
-    # "guards off" is switched off inside the script only: afterwards a changed weight is refused again.
+    # "guards off" is switched off inside the script only: afterwards a changed weight is refused
+    # again.
     lin = torch.nn.Linear(3, 3)
     loss = ckptlib.checkpoint(lin, torch.randn(2, 3, requires_grad=True)).sum()
     with torch.no_grad():
@@ -41,9 +44,21 @@ def test_a_tiny_run_measures_every_variant_and_the_guards_switch_back_on(guard_c
 def test_markdown_replaces_only_the_text_between_the_markers(guard_cost, tmp_path):
     committed = json.loads((SCRIPT.parent / "results" / "guard_cost.json").read_text())
     readme = tmp_path / "README.md"
-    readme.write_text(f"before\n{guard_cost.MARKDOWN_BEGIN}\nold table\n{guard_cost.MARKDOWN_END}\nafter\n")
-    subprocess.run([sys.executable, str(SCRIPT), "--from-json", str(SCRIPT.parent / "results" / "guard_cost.json"),
-                    "--markdown", str(readme)], check=True, capture_output=True)
+    readme.write_text(
+        f"before\n{guard_cost.MARKDOWN_BEGIN}\nold table\n{guard_cost.MARKDOWN_END}\nafter\n"
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--from-json",
+            str(SCRIPT.parent / "results" / "guard_cost.json"),
+            "--markdown",
+            str(readme),
+        ],
+        check=True,
+        capture_output=True,
+    )
     text = readme.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old table" not in text
     for block_name, numbers in committed["blocks"].items():

@@ -47,7 +47,8 @@ def test_the_references_bracket_every_selection(explorer):
     assert full["kept_bytes"] == 0 and plain["rerun_ops"] == 0
     assert plain["kept_bytes"] > explorer.references["save_matmuls"]["kept_bytes"] > 0
     assert full["rerun_ops"] > explorer.references["save_matmuls"]["rerun_ops"]
-    # FLOPs do not jitter: plain recomputes none, full checkpointing every matmul, save_matmuls none.
+    # FLOPs do not jitter: plain recomputes none, full checkpointing every matmul, save_matmuls
+    # none.
     assert plain["rerun_flops"] == explorer.references["save_matmuls"]["rerun_flops"] == 0
     assert full["rerun_flops"] > 0
 
@@ -80,7 +81,9 @@ def test_the_buttons_tick_the_ready_made_choices(explorer):
     assert explorer.result["kept_bytes"] == explorer.references["save_matmuls"]["kept_bytes"] == \
         sum(row["output_bytes"] for row in explorer.rows if row["save_matmuls"])
     explorer.tick_cost.click()
-    assert explorer.result["kept_rows"] == [i for i, row in enumerate(explorer.rows) if row["cost_policy"]]
+    assert explorer.result["kept_rows"] == [
+        i for i, row in enumerate(explorer.rows) if row["cost_policy"]
+    ]
     assert explorer.result["kept_bytes"] == explorer.references["cost policy"]["kept_bytes"]
     explorer.clear.click()
     assert explorer.result["kept_rows"] == [] and explorer.result["kept_bytes"] == 0
@@ -89,7 +92,9 @@ def test_the_buttons_tick_the_ready_made_choices(explorer):
 def test_the_summary_and_plot_show_all_five_variants(explorer):
     explorer.select(lambda row: row["op"] == "gelu")
     for name in ("plain", "full checkpoint", "save_matmuls", "cost policy", "your selection"):
-        assert f"<b>{name.replace(' ', '<br>')}</b>" in explorer.summary.value   # headers break at spaces
+        assert (
+            f"<b>{name.replace(' ', '<br>')}</b>" in explorer.summary.value
+        )  # headers break at spaces
     assert "kept for backward" in explorer.summary.value and "rerun FLOPs" in explorer.summary.value
     assert bytes(explorer.plot.value).startswith(b"\x89PNG")
 
@@ -117,19 +122,25 @@ def test_the_table_numbers_each_row_as_kept_rows_does(explorer):
         assert cells[columns * (number + 1)].value == str(number)
         assert cells[columns * (number + 1) + 1] is box
     explorer.select(lambda row: row["op"] == "addmm")
-    assert explorer.result["kept_rows"] == [i for i, row in enumerate(explorer.rows) if row["op"] == "addmm"]
+    assert explorer.result["kept_rows"] == [
+        i for i, row in enumerate(explorer.rows) if row["op"] == "addmm"
+    ]
     assert len(explorer.result["kept_rows"]) == 4
 
 
 class ScriptedTimer:
-    """A stand-in for ``explorer.timer``: each variant takes the seconds we choose; notes the order."""
+    """A stand-in for ``explorer.timer``: each variant takes the seconds we choose; notes the
+    order."""
 
     def __init__(self, seconds: dict[str, list[float]], explorer) -> None:
         self.seconds, self.explorer, self.calls, self.busy = seconds, explorer, [], []
 
     def __call__(self, name, step) -> float:
         self.calls.append(name)
-        self.busy.append(self.explorer.time_button.disabled and all(box.disabled for box in self.explorer.checkboxes))
+        self.busy.append(
+            self.explorer.time_button.disabled
+            and all(box.disabled for box in self.explorer.checkboxes)
+        )
         queue = self.seconds[name]
         return queue.pop(0) if len(queue) > 1 else queue[0]
 
@@ -149,9 +160,15 @@ def test_nothing_is_timed_until_asked_and_then_all_five_in_turns(explorer):
     # A warm-up of each, then TIMED_ROUNDS rounds of one step each, the order flipping every round.
     rounds = [VARIANTS if number % 2 == 0 else VARIANTS[::-1] for number in range(TIMED_ROUNDS)]
     assert timer.calls == VARIANTS + [name for round_ in rounds for name in round_]
-    assert all(timer.busy), "a tick during the timing would time a selection other than the one shown"
-    assert not explorer.time_button.disabled and not any(box.disabled for box in explorer.checkboxes)
-    assert set(timing) == set(VARIANTS) and all(len(times) == TIMED_ROUNDS for times in timing.values())
+    assert all(timer.busy), (
+        "a tick during the timing would time a selection other than the one shown"
+    )
+    assert not explorer.time_button.disabled and not any(
+        box.disabled for box in explorer.checkboxes
+    )
+    assert set(timing) == set(VARIANTS) and all(
+        len(times) == TIMED_ROUNDS for times in timing.values()
+    )
     assert "step time" in explorer.summary.value and "vs plain" in explorer.summary.value
     explorer.select(lambda row: False)        # a new selection: the old times no longer describe it
     assert explorer.timing == {} and "step time" not in explorer.summary.value
@@ -160,8 +177,13 @@ def test_nothing_is_timed_until_asked_and_then_all_five_in_turns(explorer):
 @pytest.mark.parametrize("seed", range(8))
 def test_full_checkpointing_never_reads_faster_than_plain_without_a_noise_note(explorer, seed):
     generator = random.Random(seed)
-    explorer.timer = ScriptedTimer({name: [generator.uniform(0.001, 0.01) for _ in range(TIMED_ROUNDS + 1)]
-                                    for name in VARIANTS}, explorer)
+    explorer.timer = ScriptedTimer(
+        {
+            name: [generator.uniform(0.001, 0.01) for _ in range(TIMED_ROUNDS + 1)]
+            for name in VARIANTS
+        },
+        explorer,
+    )
     try:
         timing = explorer.time_all()
     finally:
@@ -170,6 +192,8 @@ def test_full_checkpointing_never_reads_faster_than_plain_without_a_noise_note(e
         shown = explorer._versus_plain(name)
         ratio = statistics.median(timing[name]) / statistics.median(timing["plain"])
         assert shown.startswith(f"{ratio:.2f}x")
-        overlap = min(timing[name]) <= max(timing["plain"]) and min(timing["plain"]) <= max(timing[name])
+        overlap = min(timing[name]) <= max(timing["plain"]) and min(timing["plain"]) <= max(
+            timing[name]
+        )
         assert ("within noise" in shown) == (ratio < 1 or overlap), (name, shown)
         assert shown in explorer.summary.value

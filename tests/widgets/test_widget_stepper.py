@@ -1,4 +1,6 @@
-"""BackwardStepper without a browser: frames, states and live bytes of one replayed training step."""
+"""BackwardStepper without a browser: frames, states and live bytes of one replayed training
+step."""
+
 from __future__ import annotations
 
 import base64
@@ -66,14 +68,22 @@ def test_per_block_checkpointing_reruns_each_block_once_and_releases_everything(
 
 def test_the_largest_live_bytes_is_the_meters_peak_for_the_same_step(blocks):
     model, stepper = blocks
-    assert max(frame["live_bytes"] for frame in stepper.frames) == stepper.peak_bytes == step_peak(model)
+    assert (
+        max(frame["live_bytes"] for frame in stepper.frames)
+        == stepper.peak_bytes
+        == step_peak(model)
+    )
 
 
 def test_rerun_packs_sit_inside_their_rerun_between_its_ops(blocks):
     _, stepper = blocks
     frames = stepper.frames
     start = next(i for i, frame in enumerate(frames) if frame["event"] == "recompute")
-    end = next(i for i in range(start, len(frames)) if frames[i]["event"] == "unpack" and frames[i]["phase"] == "backward")
+    end = next(
+        i
+        for i in range(start, len(frames))
+        if frames[i]["event"] == "unpack" and frames[i]["phase"] == "backward"
+    )
     rerun = frames[start:end]
     packs = [frame for frame in rerun if frame["event"] == "pack"]
     assert [frame["text"] for frame in packs] == [
@@ -96,7 +106,11 @@ def test_without_checkpointing_nothing_is_dropped_and_saved_tensors_are_released
     for frame in stepper.frames:
         if frame["event"] == "release":
             assert frame["phase"] == "backward"
-    assert stepper.peak_bytes == max(frame["live_bytes"] for frame in stepper.frames) == step_peak(model)
+    assert (
+        stepper.peak_bytes
+        == max(frame["live_bytes"] for frame in stepper.frames)
+        == step_peak(model)
+    )
 
 
 def test_schedules_with_nested_checkpoints_place_every_rerun_pack():
@@ -105,8 +119,12 @@ def test_schedules_with_nested_checkpoints_place_every_rerun_pack():
     texts = [frame["text"] for frame in stepper.frames]
     assert not any("not known" in text for text in texts)
     # The nested checkpoint is run again inside its parent's rerun, keeping nothing.
-    assert any(text.startswith("layers[1:2] (rerun's copy) forward: drops tensor #0") for text in texts)
-    assert any(text.startswith("layers[1:2] rerun: loads its input, layers[1:3] #0") for text in texts)
+    assert any(
+        text.startswith("layers[1:2] (rerun's copy) forward: drops tensor #0") for text in texts
+    )
+    assert any(
+        text.startswith("layers[1:2] rerun: loads its input, layers[1:3] #0") for text in texts
+    )
     assert set(stepper.frames[-1]["states"].values()) == {"released"}
     assert stepper.peak_bytes == step_peak(model)
 
@@ -138,9 +156,17 @@ def test_a_function_with_a_checkpoint_inside():
 def test_a_selective_rerun_skips_ops_so_its_packs_are_shown_together_and_say_so():
     model = MLPChain(depth=2, width=8, checkpointing="selective")
     stepper = BackwardStepper(model, batch=2)
-    reruns = [frame for frame in stepper.frames if frame["event"] == "pack" and frame["phase"] == "recompute"]
-    assert reruns and all(frame["text"].endswith("(where in the rerun is not known: its ops differ from "
-                                                 "the forward's)") for frame in reruns)
+    reruns = [
+        frame
+        for frame in stepper.frames
+        if frame["event"] == "pack" and frame["phase"] == "recompute"
+    ]
+    assert reruns and all(
+        frame["text"].endswith(
+            "(where in the rerun is not known: its ops differ from the forward's)"
+        )
+        for frame in reruns
+    )
     assert set(stepper.frames[-1]["states"].values()) == {"released"}
     assert stepper.peak_bytes == step_peak(model)
 
@@ -149,7 +175,9 @@ def test_every_op_can_get_a_frame_and_the_curve_keeps_its_peak(blocks):
     model, folded = blocks
     everything = BackwardStepper(model, batch=2, all_ops=True)
     assert len(everything.frames) > len(folded.frames)
-    assert max(f["live_bytes"] for f in everything.frames) == max(f["live_bytes"] for f in folded.frames)
+    assert max(f["live_bytes"] for f in everything.frames) == max(
+        f["live_bytes"] for f in folded.frames
+    )
     assert [f["text"] for f in everything.frames if not f["event"].endswith("_op")] == \
         [f["text"] for f in folded.frames if not f["event"].endswith("_op")]
 
@@ -173,11 +201,16 @@ def test_position_drives_the_view(blocks):
     assert not stepper.position.readout
     assert stepper.prev_button.disabled and not stepper.next_button.disabled
     first_graph, first_caption = stepper.graph_view.value, stepper.caption.value
-    recomputed = next(i for i, frame in enumerate(stepper.frames) if "recomputed" in frame["states"].values())
+    recomputed = next(
+        i for i, frame in enumerate(stepper.frames) if "recomputed" in frame["states"].values()
+    )
     stepper.position.value = recomputed
     assert stepper.frames[recomputed]["text"].replace(">", "&gt;") in stepper.caption.value
     assert f"<b>{recomputed + 1}/{last + 1}</b>" in stepper.caption.value
-    assert stepper.graph_view.value != first_graph and ": recomputed</title>" in stepper.graph_view.value
+    assert (
+        stepper.graph_view.value != first_graph
+        and ": recomputed</title>" in stepper.graph_view.value
+    )
     assert f'fill="{palette.RECOMPUTED}"' in stepper.graph_view.value
     stepper.next_button.click()
     assert stepper.position.value == recomputed + 1
@@ -205,11 +238,15 @@ def test_the_graph_at_a_frame_shows_each_saved_tensor_in_its_state(blocks):
 
 
 def test_what_the_stepper_cannot_replay_is_a_clear_error():
-    with pytest.raises(ValueError, match="checkpointing='torch' is torch.utils.checkpoint, which has no trace"):
+    with pytest.raises(
+        ValueError, match="checkpointing='torch' is torch.utils.checkpoint, which has no trace"
+    ):
         BackwardStepper(MLPChain(depth=2, width=4, checkpointing="torch"))
     with pytest.raises(TypeError, match=r"Linear has no loss, example_batch, checkpointing"):
         BackwardStepper(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="no input requires grad and fn uses no parameter that does"):
+    with pytest.raises(
+        ValueError, match="no input requires grad and fn uses no parameter that does"
+    ):
         BackwardStepper(torch.sin, torch.randn(2))
     with pytest.raises(ValueError, match="batch must be an integer >= 1, got 0"):
         BackwardStepper(MLPChain(depth=2, width=4), batch=0)
@@ -221,8 +258,10 @@ def test_display_gives_the_widget_view_and_a_stable_text(blocks):
     _, stepper = blocks
     bundle = stepper._repr_mimebundle_()
     assert "application/vnd.jupyter.widget-view+json" in bundle
-    assert bundle["text/plain"] == (f"BackwardStepper({len(stepper.frames)} events, peak 3.44 KiB; event 1: "
-                                    f"{stepper.frames[0]['text']})")
+    assert bundle["text/plain"] == (
+        f"BackwardStepper({len(stepper.frames)} events, peak 3.44 KiB; event 1: "
+        f"{stepper.frames[0]['text']})"
+    )
 
 
 def test_the_words_say_whose_memory_a_save_is_so_a_save_that_adds_no_bytes_is_explained():
@@ -232,18 +271,24 @@ def test_the_words_say_whose_memory_a_save_is_so_a_save_that_adds_no_bytes_is_ex
                      if f["event"] == "pack" and f["text"].endswith("nothing extra")}
     # The batch (block 0's input, the loss's target) was made before the step; mat2 is a weight.
     assert nothing_extra == {
-        "mat1": "autograd saves saved #0 for AddmmBackward0.mat1 (in blocks.0.0): 4x8 float32, 128 B, "
-                "an input of the step, made before it: nothing extra",
+        "mat1": "autograd saves saved #0 for AddmmBackward0.mat1 (in blocks.0.0): 4x8 float32, 128 "
+                "B, "
+        "an input of the step, made before it: nothing extra",
         "target": "autograd saves saved #6 for MseLossBackward0.target: 4x8 float32, 128 B, "
-                  "an input of the step, made before it: nothing extra",
-        "mat2": "autograd saves saved #3 for AddmmBackward0.mat2 (in blocks.1.0): 8x8 float32, 256 B, "
-                "a parameter's own memory: nothing extra",
+        "an input of the step, made before it: nothing extra",
+        "mat2": "autograd saves saved #3 for AddmmBackward0.mat2 (in blocks.1.0): 8x8 float32, 256 "
+                "B, "
+        "a parameter's own memory: nothing extra",
     }
     blocks = BackwardStepper(MLPChain(depth=2, width=8, checkpointing="block"), batch=4)
-    drops = [f["text"] for f in blocks.frames if f["event"] == "pack" and "frees nothing" in f["text"]]
+    drops = [
+        f["text"] for f in blocks.frames if f["event"] == "pack" and "frees nothing" in f["text"]
+    ]
     assert drops == [
-        "block 0 forward: drops tensor #0 (linear), 4x8 float32, 128 B, the checkpoint's input: dropping frees nothing",
-        "block 1 forward: drops tensor #0 (linear), 4x8 float32, 128 B, the checkpoint's input: dropping frees nothing",
+        "block 0 forward: drops tensor #0 (linear), 4x8 float32, 128 B, the checkpoint's input: "
+        "dropping frees nothing",
+        "block 1 forward: drops tensor #0 (linear), 4x8 float32, 128 B, the checkpoint's input: "
+        "dropping frees nothing",
         "block 1 forward: drops tensor #1 (linear), 8x8 float32, 256 B, a parameter's own memory: "
         "dropping frees nothing",
     ]
@@ -254,16 +299,22 @@ def test_an_op_frame_tells_apart_what_the_op_allocated_and_what_died_before_it()
     # Block 0's Linear output (4x8 float32) dies once ReLU has run (ReLU saves its output, not its
     # input), before block 1's weight.t(), a view that allocates nothing.
     k = next(k for k, f in enumerate(frames) if f["op"] == "t" and k > 0)
-    assert frames[k]["text"] == ("forward runs t (transpose the weight: a view, no copy): no new memory; "
-                                 "before it ran, 128 B freed: tensors nothing refers to any more")
+    assert frames[k]["text"] == (
+        "forward runs t (transpose the weight: a view, no copy): no new memory; "
+        "before it ran, 128 B freed: tensors nothing refers to any more"
+    )
     assert frames[k - 1]["live_bytes"] - frames[k]["live_bytes"] == 128
-    assert frames[0]["text"] == "forward runs t (transpose the weight: a view, no copy): no new memory"
+    assert (
+        frames[0]["text"] == "forward runs t (transpose the weight: a view, no copy): no new memory"
+    )
     assert any(f["text"].startswith("forward runs addmm (x @ W.T + b): +128 B new") for f in frames)
 
 
 def node_boxes(svg: str) -> dict[str, str]:
     """Each drawn node's title (without its state) -> its outline's points, read from the SVG."""
-    groups = re.findall(r'<g class="node"><title>([^<:]*)[^<]*</title>\n<polygon[^>]* points="([^"]*)"', svg)
+    groups = re.findall(
+        r'<g class="node"><title>([^<:]*)[^<]*</title>\n<polygon[^>]* points="([^"]*)"', svg
+    )
     return dict(groups)
 
 
@@ -272,7 +323,9 @@ def test_the_graph_is_laid_out_once_and_a_step_changes_only_colours(blocks):
     first, later = stepper.svg(0), stepper.svg(len(stepper.frames) // 2)
     assert node_boxes(first) and node_boxes(first) == node_boxes(later)
     # Every saved tensor of the step has its box from the first event on, not packed yet.
-    assert first.count(": not packed yet</title>") == len(stepper.picture.boxes) + len(stepper.picture.leaf_edges)
+    assert first.count(": not packed yet</title>") == len(stepper.picture.boxes) + len(
+        stepper.picture.leaf_edges
+    )
     assert re.sub(r'viewBox="[^"]*"', "", stepper.svg(0, "narrow")).count("<g class=") == \
         re.sub(r'viewBox="[^"]*"', "", later).count("<g class=")
 
@@ -280,10 +333,19 @@ def test_the_graph_is_laid_out_once_and_a_step_changes_only_colours(blocks):
 def test_event_one_draws_no_op_of_the_backward_graph_as_made(blocks):
     _, stepper = blocks
     first = stepper.svg(0)
-    made_ops = re.findall(r'<g class="node"><title>(n\d+)</title>\n<polygon fill="lightgrey"', first)
+    made_ops = re.findall(
+        r'<g class="node"><title>(n\d+)</title>\n<polygon fill="lightgrey"', first
+    )
     assert made_ops == []          # every op is pale: forward has made none yet
     done = next(k for k, f in enumerate(stepper.frames) if f["phase"] != "forward")
-    assert len(re.findall(r'<g class="node"><title>n\d+</title>\n<polygon fill="lightgrey"', stepper.svg(done))) > 5
+    assert (
+        len(
+            re.findall(
+                r'<g class="node"><title>n\d+</title>\n<polygon fill="lightgrey"', stepper.svg(done)
+            )
+        )
+        > 5
+    )
 
 
 def test_the_counts_are_of_the_boxes_drawn(blocks):
@@ -306,7 +368,9 @@ def test_a_function_of_token_ids_or_a_dict_gets_its_backward_through_the_paramet
     assert embedding.weight.grad is not None and gru.weight_hh_l0.grad is not None
     linear = torch.nn.Linear(3, 2)
     batch = {"x": torch.randn(4, 3, requires_grad=True), "scale": 2.0}
-    stepper = BackwardStepper(lambda b: checkpoint(lambda t: linear(t).relu(), b["x"]) * b["scale"], batch)
+    stepper = BackwardStepper(
+        lambda b: checkpoint(lambda t: linear(t).relu(), b["x"]) * b["scale"], batch
+    )
     assert batch["x"].grad is not None and stepper.peak_bytes > 0
     first_grad = linear.weight.grad.clone()
     BackwardStepper(lambda b: checkpoint(lambda t: linear(t).relu(), b["x"]) * b["scale"], batch)
@@ -318,5 +382,7 @@ def test_the_output_carries_a_picture_of_the_current_event(blocks):
     stepper.position.value = 30
     bundle = stepper._repr_mimebundle_()
     assert base64.b64decode(bundle["image/png"])[:8] == b"\x89PNG\r\n\x1a\n"
-    assert bundle["text/plain"].startswith(f"BackwardStepper({len(stepper.frames)} events, peak 3.44 KiB; event 31: ")
+    assert bundle["text/plain"].startswith(
+        f"BackwardStepper({len(stepper.frames)} events, peak 3.44 KiB; event 31: "
+    )
     stepper.position.value = 0
