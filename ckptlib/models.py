@@ -177,7 +177,7 @@ class MLPChain(_DemoModel):
     *output*, which is also the input the next Linear saves, so each block keeps
     exactly one ``batch x width`` tensor for backward (the Linear's output dies as
     soon as ReLU has read it). With float32, the plain forward keeps
-    ``4 * batch * width * depth`` bytes of activations; ``tests/test_memory.py``
+    ``4 * batch * width * depth`` bytes of activations; ``tests/memory/test_memory.py``
     derives the whole training step's peak.
 
     Two consequences worth a look. A checkpoint around each block saves nothing

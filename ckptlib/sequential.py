@@ -7,7 +7,7 @@ checkpoints nested in it. Autograd then does the whole backward: each frame
 made in the first forward reruns once when backward reaches it, restoring the
 inputs of the frames nested in it, and early stop ends every rerun at its
 last needed tensor. ``Plan.actions`` is that training step written out;
-``tests/test_sequential.py`` checks that counted module calls follow it.
+``tests/schedules/test_sequential.py`` checks that counted module calls follow it.
 
 With an int, ``checkpoint_sequential`` is ``torch.utils.checkpoint.checkpoint_sequential``:
 the same segments (``schedules.uniform``), the same outputs and gradients.

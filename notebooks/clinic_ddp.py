@@ -8,7 +8,7 @@ function ``run_block(block, x)`` (any name) that runs ``block`` on ``x``, writte
 
 For example ``run_ddp({"plain": plain_block, "mine": my_block})``, with functions defined in the
 notebook, gives ``[rank 0's results, rank 1's]``, each ``{"plain": [gradients], "mine": ...}``
-(tests/test_clinic.py runs it).
+(tests/notebooks/test_nb10.py runs it).
 """
 from __future__ import annotations
 

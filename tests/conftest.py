@@ -1,4 +1,4 @@
-"""Shared by the classroom tests (tests/test_classroom.py, tests/browser/test_slides.py)."""
+"""Shared by the classroom tests (tests/tools/test_classroom.py, tests/browser/test_slides.py)."""
 from __future__ import annotations
 
 import os

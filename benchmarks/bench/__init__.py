@@ -22,7 +22,7 @@ order a run meets them:
 ``cli``       the command line (``main``); ``__main__`` runs it
 ============  ==============================================================================
 
-From Python (``tests/test_bench.py`` runs the command line at the ``TINY`` sizes)::
+From Python (``tests/tools/test_bench.py`` runs the command line at the ``TINY`` sizes)::
 
     bench = run(QUICK)                 # a progress bar on stderr
     print(format_report(bench.summary))

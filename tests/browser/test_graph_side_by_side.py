@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ckptlib.graph import SideBySide, autograd_graph, torchviz_dot
-from tests.test_graph import checkpointed_mlp
+from tests.graph.test_graph import checkpointed_mlp
 
 pytestmark = pytest.mark.browser
 
