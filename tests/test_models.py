@@ -1,4 +1,5 @@
 """ckptlib.models: seeded demo models whose checkpointing switch never changes the numbers."""
+
 from __future__ import annotations
 
 import sys
@@ -25,10 +26,16 @@ def loss_and_grads(model, checkpointing, batch, rng_seed: int = 0):
     return loss, [p.grad.clone() for p in model.parameters()]
 
 
-PLANS = {"sqrt_n": lambda n: sqrt_n(n), "revolve": lambda n: revolve(n, 2), "recursive": lambda n: recursive(n)}
+PLANS = {
+    "sqrt_n": lambda n: sqrt_n(n),
+    "revolve": lambda n: revolve(n, 2),
+    "recursive": lambda n: recursive(n),
+}
 
 
-@pytest.mark.parametrize("make", [small_mlp, lambda: small_transformer(dropout=0.2)], ids=["mlp", "transformer"])
+@pytest.mark.parametrize(
+    "make", [small_mlp, lambda: small_transformer(dropout=0.2)], ids=["mlp", "transformer"]
+)
 @pytest.mark.parametrize("mode", ["block", "torch", "sqrt", "selective", *PLANS])
 def test_every_checkpointing_mode_gives_bitwise_equal_gradients(make, mode):
     model = make()
@@ -38,7 +45,9 @@ def test_every_checkpointing_mode_gives_bitwise_equal_gradients(make, mode):
     loss_ckpt, grads_ckpt = loss_and_grads(model, checkpointing, batch)
     assert loss == loss_ckpt
     for (name, _), plain, checkpointed in zip(model.named_parameters(), grads, grads_ckpt):
-        assert torch.equal(plain, checkpointed), f"gradient of {name} differs under checkpointing={mode!r}"
+        assert torch.equal(plain, checkpointed), (
+            f"gradient of {name} differs under checkpointing={mode!r}"
+        )
 
 
 def test_dropout_is_active_in_training_so_the_equality_above_means_something():
@@ -135,7 +144,10 @@ def test_invalid_sizes_are_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["none", "block", "torch", "sqrt"])
 def test_models_train_on_cuda(mode):
-    for model in (small_mlp(checkpointing=mode).cuda(), small_transformer(checkpointing=mode).cuda()):
+    for model in (
+        small_mlp(checkpointing=mode).cuda(),
+        small_transformer(checkpointing=mode).cuda(),
+    ):
         batch = model.example_batch(batch=4)
         assert batch[0].is_cuda
         assert model.training_step(batch) > 0

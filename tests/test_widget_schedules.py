@@ -1,4 +1,5 @@
 """ScheduleExplorer without a browser: set n, the schedule and its parameter; read the result."""
+
 from __future__ import annotations
 
 import base64
@@ -14,9 +15,21 @@ from ckptlib.widgets import ScheduleExplorer
 from ckptlib.widgets.schedules import SCHEDULES, schedule_picture
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-RESULT_KEYS = {"plan", "n", "schedule", "parameter", "peak_bytes", "forward_calls", "theory_forward_calls",
-               "forward_calls_per_layer", "theory_forward_calls_per_layer", "forward_steps", "peak_checkpoints",
-               "theory_peak_activations", "theory_peak_bytes"}
+RESULT_KEYS = {
+    "plan",
+    "n",
+    "schedule",
+    "parameter",
+    "peak_bytes",
+    "forward_calls",
+    "theory_forward_calls",
+    "forward_calls_per_layer",
+    "theory_forward_calls_per_layer",
+    "forward_steps",
+    "peak_checkpoints",
+    "theory_peak_activations",
+    "theory_peak_bytes",
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +46,18 @@ def test_revolve_20_layers_3_slots_calls_the_layers_as_often_as_theory_says(expl
     result = explorer.result
     assert set(result) == RESULT_KEYS
     assert result["plan"] == "revolve(20, slots=3)"
-    assert result["forward_calls"] == result["theory_forward_calls"] == revolve(20, 3).forward_calls == 65
+    assert (
+        result["forward_calls"]
+        == result["theory_forward_calls"]
+        == revolve(20, 3).forward_calls
+        == 65
+    )
     assert result["peak_checkpoints"] <= 3
     # Layer by layer too: the last layer runs once, the first layers are advanced over most.
     assert result["forward_calls_per_layer"] == result["theory_forward_calls_per_layer"]
-    assert result["forward_calls_per_layer"][-1] == 1 and len(result["forward_calls_per_layer"]) == 20
+    assert (
+        result["forward_calls_per_layer"][-1] == 1 and len(result["forward_calls_per_layer"]) == 20
+    )
     assert bytes(explorer.plot.value).startswith(PNG_SIGNATURE)
 
 
@@ -67,16 +87,24 @@ def test_every_schedule_measures_what_its_plan_predicts(explorer, schedule):
 def test_the_parameter_slider_follows_the_schedule_and_n(explorer):
     explorer.n.value = 10
     explorer.schedule.value = "uniform"
-    assert (explorer.parameter.description, explorer.parameter.min, explorer.parameter.max) == ("k segments", 1, 10)
+    assert (explorer.parameter.description, explorer.parameter.min, explorer.parameter.max) == (
+        "k segments",
+        1,
+        10,
+    )
     explorer.parameter.value = 5
     assert explorer.result["plan"] == "uniform(10, 5)"
-    explorer.n.value = 4                       # k = 5 no longer fits: clamped to n
+    explorer.n.value = 4  # k = 5 no longer fits: clamped to n
     assert explorer.parameter.value == 4 and explorer.result["plan"] == "uniform(4, 4)"
     explorer.schedule.value = "revolve"
     assert (explorer.parameter.description, explorer.parameter.max) == ("s slots", 3)
     explorer.schedule.value = "budget"
-    assert (explorer.parameter.description, explorer.parameter.min, explorer.parameter.max,
-            explorer.parameter.step) == ("budget %", 5, 100, 5)
+    assert (
+        explorer.parameter.description,
+        explorer.parameter.min,
+        explorer.parameter.max,
+        explorer.parameter.step,
+    ) == ("budget %", 5, 100, 5)
     # A schedule without a parameter shows no leftover number beside the disabled slider.
     explorer.schedule.value = "sqrt(n)"
     assert explorer.parameter.disabled and not explorer.parameter.readout
@@ -93,15 +121,25 @@ def test_a_budget_the_least_plan_cannot_meet_is_a_message(explorer):
     explorer.parameter.value = 5
     # In the widget's own terms (its "budget %" slider, KiB), and the old plan is cleared, not left
     # on screen under the new setting.
-    assert "No plan for 16 layers fits a budget of 5% = 25.60 KiB of the plain chain's 512.00 KiB" in \
-        explorer.message.value
-    assert "Move the <b>budget %</b> slider to " in explorer.message.value and "memory_budget" not in \
-        explorer.message.value
+    assert (
+        "No plan for 16 layers fits a budget of 5% = 25.60 KiB of the plain chain's 512.00 KiB"
+        in explorer.message.value
+    )
+    assert (
+        "Move the <b>budget %</b> slider to " in explorer.message.value
+        and "memory_budget" not in explorer.message.value
+    )
     assert explorer.result["plan"] is None and explorer.readout.value == ""
-    assert explorer.plots.layout.display == "none" and "image/png" not in explorer._repr_mimebundle_()
+    assert (
+        explorer.plots.layout.display == "none" and "image/png" not in explorer._repr_mimebundle_()
+    )
     least = int(re.search(r"slider to (\d+)%", explorer.message.value)[1])
     explorer.parameter.value = least
-    assert explorer.message.value == "" and explorer.result["plan"] and explorer.plots.layout.display is None
+    assert (
+        explorer.message.value == ""
+        and explorer.result["plan"]
+        and explorer.plots.layout.display is None
+    )
     explorer.parameter.value = least - 5
     assert explorer.result["plan"] is None
     explorer.parameter.value = 50
@@ -114,8 +152,14 @@ def test_measuring_freezes_the_controls_and_says_so(explorer):
     original = explorer.measure_plan
 
     def watching(plan):
-        seen.append((explorer.schedule.disabled, explorer.n.disabled, explorer.parameter.disabled,
-                     "Measuring" in explorer.message.value))
+        seen.append(
+            (
+                explorer.schedule.disabled,
+                explorer.n.disabled,
+                explorer.parameter.disabled,
+                "Measuring" in explorer.message.value,
+            )
+        )
         return original(plan)
 
     explorer.measure_plan = watching
@@ -124,7 +168,9 @@ def test_measuring_freezes_the_controls_and_says_so(explorer):
     finally:
         del explorer.measure_plan
     assert seen and all(state == (True, True, True, True) for state in seen)
-    assert not explorer.n.disabled and not explorer.schedule.disabled and explorer.message.value == ""
+    assert (
+        not explorer.n.disabled and not explorer.schedule.disabled and explorer.message.value == ""
+    )
 
 
 def test_the_output_carries_a_picture_of_both_plots(explorer):
@@ -144,12 +190,19 @@ def test_the_trade_off_curve_holds_every_schedule_and_the_current_plan_sits_on_i
     schedules = {point["schedule"] for point in explorer.curve}
     assert schedules == set(SCHEDULES)
     point = next(p for p in explorer.curve if p["schedule"] == "recursive")
-    assert (point["peak_bytes"], point["forward_calls"]) == (explorer.result["peak_bytes"],
-                                                             explorer.result["forward_calls"])
+    assert (point["peak_bytes"], point["forward_calls"]) == (
+        explorer.result["peak_bytes"],
+        explorer.result["forward_calls"],
+    )
     # More recomputation never needs more memory along the revolve family.
-    revolves = sorted((p["parameter"], p["forward_calls"], p["peak_bytes"]) for p in explorer.curve
-                      if p["schedule"] == "revolve")
-    assert [calls for _, calls, _ in revolves] == sorted((calls for _, calls, _ in revolves), reverse=True)
+    revolves = sorted(
+        (p["parameter"], p["forward_calls"], p["peak_bytes"])
+        for p in explorer.curve
+        if p["schedule"] == "revolve"
+    )
+    assert [calls for _, calls, _ in revolves] == sorted(
+        (calls for _, calls, _ in revolves), reverse=True
+    )
     assert [peak for _, _, peak in revolves] == sorted(peak for _, _, peak in revolves)
 
 
@@ -157,18 +210,22 @@ def test_the_picture_shows_every_layer_step_of_the_plan():
     plan = revolve(8, 2)
     picture = schedule_picture(plan)
     assert picture.shape == (8, plan.forward_calls + 8)
-    assert (picture == 5).sum() == 8 and (picture == 4).sum() == 8        # backward, record: once per layer
-    assert (picture == 3).sum() == plan.forward_steps                       # forwards keeping nothing
-    assert (picture == 1).sum(axis=0).max() <= plan.peak_slots               # checkpoints held
-    np.testing.assert_array_equal(schedule_picture(Plan([Segment(0, 2), 2])),
-                                  [[3, 1, 1, 1, 4, 2, 2, 5], [0, 3, 0, 0, 0, 4, 5, 0], [0, 0, 4, 5, 0, 0, 0, 0]])
+    assert (picture == 5).sum() == 8 and (
+        picture == 4
+    ).sum() == 8  # backward, record: once per layer
+    assert (picture == 3).sum() == plan.forward_steps  # forwards keeping nothing
+    assert (picture == 1).sum(axis=0).max() <= plan.peak_slots  # checkpoints held
+    np.testing.assert_array_equal(
+        schedule_picture(Plan([Segment(0, 2), 2])),
+        [[3, 1, 1, 1, 4, 2, 2, 5], [0, 3, 0, 0, 0, 4, 5, 0], [0, 0, 4, 5, 0, 0, 0, 0]],
+    )
 
 
 @pytest.mark.slow
 def test_a_parameter_change_at_64_layers_takes_well_under_a_second():
     explorer = ScheduleExplorer(n=64, schedule="revolve")
     slowest = 0.0
-    for slots in (2, 5, 3, 2):       # new plans, then cached ones
+    for slots in (2, 5, 3, 2):  # new plans, then cached ones
         began = time.perf_counter()
         explorer.parameter.value = slots
         slowest = max(slowest, time.perf_counter() - began)
