@@ -1,4 +1,6 @@
-"""MemoryDashboard without a browser: set the controls' values, run, read history, labels and plot data."""
+"""MemoryDashboard without a browser: set the controls' values, run, read history, labels and
+plot data."""
+
 from __future__ import annotations
 
 import html
@@ -18,12 +20,24 @@ from ckptlib.widgets import MemoryDashboard
 from ckptlib.widgets.dashboard import TIMED_STEPS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-RECORD_KEYS = {"checkpointing", "schedule", "depth", "batch", "peak_bytes", "step_s", "step_s_range", "step_times_s",
-               "off_times_s", "loss", "device"}
+RECORD_KEYS = {
+    "checkpointing",
+    "schedule",
+    "depth",
+    "batch",
+    "peak_bytes",
+    "step_s",
+    "step_s_range",
+    "step_times_s",
+    "off_times_s",
+    "loss",
+    "device",
+}
 
 
 def schedules(dashboard) -> list[str]:
-    """The schedules of the menu (its options are (label, schedule) pairs: a label may add a note)."""
+    """The schedules of the menu (its options are (label, schedule) pairs: a label may add a
+    note)."""
     return [value for _label, value in dashboard.schedule.options]
 
 
@@ -42,7 +56,9 @@ def test_toggle_and_schedule_say_the_same_thing(dashboard):
     dashboard.schedule.value = "per block (torch)"
     dashboard.checkpointing.value = False
     assert dashboard.schedule.value == "none"
-    dashboard.checkpointing.value = True          # back on: the schedule chosen last time, named on the toggle
+    dashboard.checkpointing.value = (
+        True  # back on: the schedule chosen last time, named on the toggle
+    )
     assert dashboard.schedule.value == "per block (torch)"
     assert dashboard.checkpointing.description == "checkpointing: ON · per block (torch)"
     dashboard.schedule.value = "sqrt(n)"
@@ -60,7 +76,7 @@ def test_run_records_each_step_and_checkpointing_lowers_the_peak(dashboard):
         assert set(record) == RECORD_KEYS
         assert (record["depth"], record["batch"], record["device"]) == (4, 4, "cpu")
         assert record["step_s"] > 0 and record["peak_bytes"] > 0
-        low, high = record["step_s_range"]        # the median of the timed runs, and their spread
+        low, high = record["step_s_range"]  # the median of the timed runs, and their spread
         assert 0 < low <= record["step_s"] <= high
     assert [r["schedule"] for r in dashboard.history] == ["none", "none", "per block"]
     assert [r["checkpointing"] for r in dashboard.history] == [False, False, True]
@@ -75,7 +91,8 @@ def test_readout_plot_and_plot_data_describe_the_latest_step(dashboard):
     dashboard.run(steps=1)
     off_peak = dashboard.history[-1]["peak_bytes"]
     assert dashboard.readout_text.startswith(
-        f"step 1 · checkpointing off, depth 4, batch 4: peak {off_peak / 2**20:.2f} MiB, ")
+        f"step 1 · checkpointing off, depth 4, batch 4: peak {off_peak / 2**20:.2f} MiB, "
+    )
     assert "vs off" not in dashboard.readout_text
     dashboard.checkpointing.value = True
     dashboard.run(steps=1)
@@ -87,8 +104,10 @@ def test_readout_plot_and_plot_data_describe_the_latest_step(dashboard):
     assert [entry.index for entry in timeline] == list(range(len(timeline)))
     assert {entry.phase for entry in timeline} == {"forward", "backward", "recompute"}
     assert max(entry.live_bytes for entry in timeline) == on_peak
-    assert dashboard.peaks_data == {"checkpointing off, depth 4, batch 4": off_peak,
-                                    "per block, depth 4, batch 4": on_peak}
+    assert dashboard.peaks_data == {
+        "checkpointing off, depth 4, batch 4": off_peak,
+        "per block, depth 4, batch 4": on_peak,
+    }
     assert bytes(dashboard.plot.value).startswith(PNG_SIGNATURE)
     assert dashboard.message_text == ""
 
@@ -100,7 +119,10 @@ def test_peaks_data_lists_the_most_recently_run_setting_last(dashboard):
     dashboard.run(steps=1)
     dashboard.checkpointing.value = False
     dashboard.run(steps=1)
-    assert list(dashboard.peaks_data) == ["per block, depth 4, batch 1", "checkpointing off, depth 4, batch 1"]
+    assert list(dashboard.peaks_data) == [
+        "per block, depth 4, batch 1",
+        "checkpointing off, depth 4, batch 1",
+    ]
 
 
 def test_a_settings_change_without_an_off_run_asks_for_one(dashboard):
@@ -165,8 +187,10 @@ def test_a_runtime_error_in_the_step_is_reported_and_the_next_run_works():
 
     model.training_step = failing_step
     assert dashboard.run(steps=3) == []
-    assert dashboard.message_text == ("The step failed (checkpointing off, depth 2, batch 2): "
-                                       "RuntimeError: CUDA error: device-side assert triggered")
+    assert dashboard.message_text == (
+        "The step failed (checkpointing off, depth 2, batch 2): "
+        "RuntimeError: CUDA error: device-side assert triggered"
+    )
     assert not dashboard.run_button.disabled
     model.training_step = step
     assert len(dashboard.run(steps=1)) == 1
@@ -241,7 +265,9 @@ def test_fifty_rapid_toggles_leak_no_figures_or_threads(dashboard):
 
 
 def test_run_rejects_a_step_count_below_one(dashboard):
-    with pytest.raises(ValueError, match=r"MemoryDashboard.run: steps must be an integer >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"MemoryDashboard.run: steps must be an integer >= 1, got 0"
+    ):
         dashboard.run(steps=0)
 
 
@@ -258,8 +284,14 @@ def test_close_closes_every_widget():
 
 
 def test_every_schedule_runs_and_selective_sits_between_off_and_per_block(dashboard):
-    assert set(schedules(dashboard)) == {"none", "per block", "per block (torch)", "sqrt(n)",
-                                               "Revolve (2 slots)", "selective (save matmuls)"}
+    assert set(schedules(dashboard)) == {
+        "none",
+        "per block",
+        "per block (torch)",
+        "sqrt(n)",
+        "Revolve (2 slots)",
+        "selective (save matmuls)",
+    }
     peaks = {}
     for schedule in schedules(dashboard):
         dashboard.schedule.value = schedule
@@ -271,15 +303,29 @@ def test_every_schedule_runs_and_selective_sits_between_off_and_per_block(dashbo
 
 
 def test_before_the_first_run_the_plot_is_a_picture_not_a_broken_image(dashboard):
-    assert bytes(dashboard.plot.value).startswith(PNG_SIGNATURE) and len(dashboard.plot.value) > 1000
+    assert (
+        bytes(dashboard.plot.value).startswith(PNG_SIGNATURE) and len(dashboard.plot.value) > 1000
+    )
     assert dashboard.readout_text == "Press Run to measure a training step."
 
 
 def test_on_and_off_read_differently(dashboard):
-    off = (dashboard.checkpointing.description, dashboard.checkpointing.icon, dashboard.checkpointing.button_style)
+    off = (
+        dashboard.checkpointing.description,
+        dashboard.checkpointing.icon,
+        dashboard.checkpointing.button_style,
+    )
     dashboard.checkpointing.value = True
-    on = (dashboard.checkpointing.description, dashboard.checkpointing.icon, dashboard.checkpointing.button_style)
-    assert off == ("checkpointing: OFF", "times", "") and on == ("checkpointing: ON · per block", "check", "success")
+    on = (
+        dashboard.checkpointing.description,
+        dashboard.checkpointing.icon,
+        dashboard.checkpointing.button_style,
+    )
+    assert off == ("checkpointing: OFF", "times", "") and on == (
+        "checkpointing: ON · per block",
+        "check",
+        "success",
+    )
 
 
 def test_bars_hold_the_schedules_of_the_current_depth_and_batch_only(dashboard):
@@ -295,7 +341,9 @@ def test_bars_hold_the_schedules_of_the_current_depth_and_batch_only(dashboard):
     assert dashboard.bars_data(4, 2)["sqrt(n)"] is dashboard.history[-1]
 
 
-def test_a_setting_that_did_not_fit_is_kept_with_its_partial_timeline_and_off_still_compares(dashboard):
+def test_a_setting_that_did_not_fit_is_kept_with_its_partial_timeline_and_off_still_compares(
+    dashboard,
+):
     dashboard.run(steps=1)
     off_peak = dashboard.history[-1]["peak_bytes"]
     full_ops = len(dashboard.timeline_data)
@@ -308,7 +356,9 @@ def test_a_setting_that_did_not_fit_is_kept_with_its_partial_timeline_and_off_st
     [failure] = dashboard.failures
     assert failure["schedule"] == "none" and failure["limit_bytes"] == limit
     assert failure["stopped_bytes"] > failure["limit_bytes"] and failure["op"].startswith("op #")
-    assert 0 < len(failure["timeline"]) < full_ops and dashboard.timeline_data == failure["timeline"]
+    assert (
+        0 < len(failure["timeline"]) < full_ops and dashboard.timeline_data == failure["timeline"]
+    )
     assert failure["timeline"][-1].live_bytes == failure["stopped_bytes"]
     assert "did not fit" in dashboard.readout_text
     assert "<div" in dashboard.message.value and "white-space:normal" in dashboard.message.value
@@ -333,14 +383,17 @@ def test_torchs_rerun_is_coloured_as_recompute(dashboard):
 
 
 def test_a_model_without_what_the_dashboard_needs_is_a_type_error_at_construction():
-    with pytest.raises(TypeError, match=r"Linear has no blocks, checkpointing, example_batch, training_step"):
+    with pytest.raises(
+        TypeError, match=r"Linear has no blocks, checkpointing, example_batch, training_step"
+    ):
         MemoryDashboard(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="needs an nn.Module, got str"):
         MemoryDashboard("gpt2")
 
 
 class ScriptedTimer:
-    """A stand-in for ``dashboard.timer``: the seconds each setting takes, drawn from lists we choose.
+    """A stand-in for ``dashboard.timer``: the seconds each setting takes, drawn from lists we
+    choose.
 
     Keyed by ``checkpointing != 'none'``; it still runs nothing, so a run with it takes no time.
     It notes the order of the calls, to show that off and on are timed in turns.
@@ -366,9 +419,15 @@ def test_off_is_timed_in_turns_with_the_checkpointed_setting_in_the_same_click(d
     dashboard.checkpointing.value = True
     [record] = dashboard.run(steps=1)
     # A warm-up of each, then TIMED_STEPS rounds, each running both; the order flips every round.
-    assert timer.calls == [True, False] + [True, False, False, True, True, False][:2 * TIMED_STEPS]
-    assert record["step_times_s"] == [0.020] * TIMED_STEPS and record["off_times_s"] == [0.010] * TIMED_STEPS
-    assert "2.00x the time of off (off timed in turns with it: 10 ms (10-10 ms, 3 runs))" in dashboard.readout_text
+    assert timer.calls == [True, False] + [True, False, False, True, True, False][: 2 * TIMED_STEPS]
+    assert (
+        record["step_times_s"] == [0.020] * TIMED_STEPS
+        and record["off_times_s"] == [0.010] * TIMED_STEPS
+    )
+    assert (
+        "2.00x the time of off (off timed in turns with it: 10 ms (10-10 ms, 3 runs))"
+        in dashboard.readout_text
+    )
     assert "within noise" not in dashboard.readout_text
 
 
@@ -377,17 +436,23 @@ def test_checkpointing_never_reads_faster_than_off_without_a_noise_note(dashboar
     """Whatever the clock says (here: random draws, often with checkpointing 'faster'), a ratio
     below 1.0x never stands alone, and overlapping spreads are called noise too."""
     generator = random.Random(seed)
-    draw = lambda: [generator.uniform(0.005, 0.05) for _ in range(2 * TIMED_STEPS)]
+    def draw():
+        return [generator.uniform(0.005, 0.05) for _ in range(2 * TIMED_STEPS)]
+
     dashboard.batch.value = 1
     dashboard.run(steps=1)
     dashboard.timer = ScriptedTimer(off=draw(), on=draw())
-    dashboard.schedule.value = generator.choice(["per block", "sqrt(n)", "selective (save matmuls)"])
+    dashboard.schedule.value = generator.choice(
+        ["per block", "sqrt(n)", "selective (save matmuls)"]
+    )
     [record] = dashboard.run(steps=1)
     match = RATIO.search(dashboard.readout_text)
     assert match, dashboard.readout_text
     on, off = record["step_times_s"], record["off_times_s"]
     overlap = min(on) <= max(off) and min(off) <= max(on)
-    assert float(match[1]) == pytest.approx(statistics.median(on) / statistics.median(off), abs=0.006)
+    assert float(match[1]) == pytest.approx(
+        statistics.median(on) / statistics.median(off), abs=0.006
+    )
     if statistics.median(on) < statistics.median(off) or overlap:
         assert match[2] == ": within noise", dashboard.readout_text
     else:
@@ -400,23 +465,31 @@ def test_advice_when_checkpointing_is_already_on_and_the_step_still_does_not_fit
     dashboard.memory_limit_bytes = dashboard.history[-1]["peak_bytes"] // 2
     assert dashboard.run(steps=1) == []
     assert "Turn checkpointing on" not in dashboard.message_text
-    assert "Checkpointing is already on (per block): pick Revolve (2 slots)" in dashboard.message_text
+    assert (
+        "Checkpointing is already on (per block): pick Revolve (2 slots)" in dashboard.message_text
+    )
     dashboard.schedule.value = "Revolve (2 slots)"
     dashboard.memory_limit_bytes = 2**16
     assert dashboard.run(steps=1) == []
-    assert "already on (Revolve (2 slots)) and keeps the fewest block inputs of the menu: lower the batch or " \
-           "the depth" in dashboard.message_text
+    assert (
+        "already on (Revolve (2 slots)) and keeps the fewest block inputs of the menu: lower the "
+        "batch or the depth" in dashboard.message_text
+    )
 
 
 def test_the_readout_is_html_that_wraps_and_the_plot_is_drawn_at_twice_its_size(dashboard):
     dashboard.run(steps=1)
     assert "white-space:normal" in dashboard.readout.value
     assert html.escape(dashboard.readout_text) in dashboard.readout.value
-    width, height = struct.unpack(">II", bytes(dashboard.plot.value)[16:24])   # the PNG's IHDR chunk
+    width, height = struct.unpack(">II", bytes(dashboard.plot.value)[16:24])  # the PNG's IHDR chunk
     shown_px = int(dashboard.plot.layout.width.removesuffix("px"))
     assert width == 2 * shown_px and dashboard.plot.layout.height == "auto"
     # The plot comes before the readout and the message: text that wraps or appears never moves it.
-    assert list(dashboard.widget.children[2:]) == [dashboard.plot, dashboard.readout, dashboard.message]
+    assert list(dashboard.widget.children[2:]) == [
+        dashboard.plot,
+        dashboard.readout,
+        dashboard.message,
+    ]
 
 
 class OwnModel(torch.nn.Module):
@@ -424,8 +497,9 @@ class OwnModel(torch.nn.Module):
 
     def __init__(self, refuse_unknown: bool) -> None:
         super().__init__()
-        self.blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
-                                            for _ in range(3)])
+        self.blocks = torch.nn.Sequential(
+            *[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()) for _ in range(3)]
+        )
         self.refuse_unknown = refuse_unknown
         self._checkpointing = "none"
 
@@ -444,7 +518,7 @@ class OwnModel(torch.nn.Module):
 
     def training_step(self, batch):
         x, target = batch
-        for block in self.blocks:     # only "block" is implemented; anything else runs plain
+        for block in self.blocks:  # only "block" is implemented; anything else runs plain
             x = checkpoint(block, x) if self.checkpointing == "block" else block(x)
         loss = torch.nn.functional.mse_loss(x, target)
         loss.backward()
@@ -453,14 +527,20 @@ class OwnModel(torch.nn.Module):
 
 def test_a_schedule_the_models_switch_refuses_is_marked_and_refused():
     dashboard = MemoryDashboard(OwnModel(refuse_unknown=True), batch=2)
-    assert set(dashboard.unsupported) == {"per block (torch)", "sqrt(n)", "Revolve (2 slots)",
-                                          "selective (save matmuls)"}
+    assert set(dashboard.unsupported) == {
+        "per block (torch)",
+        "sqrt(n)",
+        "Revolve (2 slots)",
+        "selective (save matmuls)",
+    }
     labels = dict((value, label) for label, value in dashboard.schedule.options)
     assert labels["sqrt(n)"] == "sqrt(n) (not in OwnModel)" and labels["per block"] == "per block"
     dashboard.schedule.value = "sqrt(n)"
     assert dashboard.run(steps=1) == [] and dashboard.history == []
-    assert dashboard.message_text.startswith("OwnModel does not implement the schedule 'sqrt(n)': its "
-                                             "checkpointing switch refuses it (ValueError: OwnModel runs")
+    assert dashboard.message_text.startswith(
+        "OwnModel does not implement the schedule 'sqrt(n)': its "
+        "checkpointing switch refuses it (ValueError: OwnModel runs"
+    )
     assert "Pick a schedule it runs (per block)" in dashboard.message_text
     dashboard.schedule.value = "per block"
     assert len(dashboard.run(steps=1)) == 1 and dashboard.message_text == ""
@@ -473,10 +553,14 @@ def test_a_schedule_the_model_accepts_but_runs_plain_is_not_reported_as_zero_sav
     dashboard.run(steps=1)
     dashboard.schedule.value = "sqrt(n)"
     assert dashboard.run(steps=1) == []
-    assert len(dashboard.history) == 1, "a plain step recorded as sqrt(n) would read '0% less memory'"
+    assert len(dashboard.history) == 1, (
+        "a plain step recorded as sqrt(n) would read '0% less memory'"
+    )
     assert "0% less memory" not in dashboard.readout_text
-    assert dashboard.message_text.startswith("OwnModel does not implement the schedule 'sqrt(n)': its step "
-                                             "recomputed nothing in backward")
+    assert dashboard.message_text.startswith(
+        "OwnModel does not implement the schedule 'sqrt(n)': its step "
+        "recomputed nothing in backward"
+    )
     # The menu now says so, and the value stayed where the learner put it.
     assert ("sqrt(n) (not in OwnModel)", "sqrt(n)") in dashboard.schedule.options
     assert dashboard.schedule.value == "sqrt(n)" and dashboard.checkpointing.value
@@ -484,3 +568,71 @@ def test_a_schedule_the_model_accepts_but_runs_plain_is_not_reported_as_zero_sav
     [record] = dashboard.run(steps=1)
     assert record["schedule"] == "per block" and "less memory" in dashboard.readout_text
     dashboard.close()
+
+
+def gpt2(**sizes):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, **sizes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config)
+
+
+def own_forward_everywhere(model) -> bool:
+    """No module of ``model`` carries an instance ``forward`` (what apply_checkpointing sets)."""
+    return all("forward" not in vars(module) for module in model.modules())
+
+
+def test_a_hugging_face_model_runs_through_apply_checkpointing_and_gets_its_forward_back():
+    model = gpt2(n_positions=32)
+    ids = torch.randint(128, (4, 32), generator=torch.Generator().manual_seed(0))
+    dashboard = MemoryDashboard(model, batch={"input_ids": ids, "labels": ids})
+    assert schedules(dashboard) == [
+        "none",
+        "every layer",
+        "every 2nd layer",
+        "selective (save matmuls)",
+        "offload",
+    ]
+    assert (dashboard.depth.value, dashboard.depth.disabled) == (2, True)
+    assert (dashboard.batch.value, dashboard.batch.disabled) == (4, True)
+    dashboard.steps.value = 1
+    [off] = dashboard.run()
+    dashboard.checkpointing.value = True
+    assert dashboard.schedule.value == "every layer"
+    [on] = dashboard.run()
+    assert on["peak_bytes"] < off["peak_bytes"], (on["peak_bytes"], off["peak_bytes"])
+    assert "recompute" in {entry.phase for entry in dashboard.timeline_data}
+    assert "less memory" in dashboard.readout_text and dashboard.message_text == ""
+    assert own_forward_everywhere(model)
+    dashboard.timer = lambda _model, _batch: 0.01  # the other variants: metered, not timed
+    for variant in ("every 2nd layer", "selective (save matmuls)", "offload"):
+        dashboard.schedule.value = variant
+        [record] = dashboard.run()
+        assert record["schedule"] == variant and dashboard.message_text == ""
+        assert own_forward_everywhere(model)
+    assert list(dashboard.bars_data(2, 4)) == schedules(dashboard)
+    dashboard.close()
+    assert own_forward_everywhere(model)
+
+
+def test_a_hugging_face_model_takes_a_batch_callable_and_the_slider_picks_its_size():
+    model = gpt2(n_positions=16)
+    ids = torch.randint(128, (8, 16), generator=torch.Generator().manual_seed(1))
+    dashboard = MemoryDashboard(model, batch=lambda n: (ids[:n],), steps=1)
+    assert not dashboard.batch.disabled and dashboard.batch.value == 8
+    dashboard.batch.value = 2
+    dashboard.schedule.value = "every layer"
+    [record] = dashboard.run()
+    assert (record["batch"], record["depth"]) == (2, 2) and own_forward_everywhere(model)
+    dashboard.close()
+
+
+def test_a_model_of_any_kind_is_told_what_its_inputs_must_be():
+    model = gpt2()
+    with pytest.raises(TypeError, match="a callable batch= is called with the batch size n"):
+        MemoryDashboard(model, batch=lambda: None)
+    with pytest.raises(TypeError, match="batch= must be the model's inputs"):
+        MemoryDashboard(model, batch=b"ids")
+    with pytest.raises(TypeError, match="has no ModuleList or Sequential of repeated layers"):
+        MemoryDashboard(torch.nn.Linear(2, 2), batch=torch.ones(1, 2))
