@@ -15,6 +15,9 @@ share one switch, ``checkpointing``, that decides how the blocks are run:
 a ``Plan``  ``checkpoint_sequential`` with that ``ckptlib.schedules.Plan``
 ==========  ================================================================
 
+The modes are those of the schedule registry (``ckptlib.schedules.registry``): a schedule
+registered there with a ``mode`` is one more value of the switch.
+
 The switch is an attribute, so one model can be measured every way:
 ``model.checkpointing = "block"``. Parameters are a pure function of ``seed``
 (the global RNG is left as it was), and each model makes its own synthetic
@@ -29,46 +32,36 @@ on two CPU cores.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Union
+from typing import Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckptlib._arguments import got, integer, number
-from ckptlib.core.checkpoint import checkpoint
-from ckptlib.selective import save_matmuls, selective_checkpoint
+from ckptlib.schedules import Plan, registry
 
-if TYPE_CHECKING:
-    from ckptlib.schedules import Plan
-
-__all__ = ["MLPChain", "TinyTransformer", "CHECKPOINTING_MODES"]
-
-CHECKPOINTING_MODES = ("none", "block", "torch", "sqrt", "selective")
+# CHECKPOINTING_MODES: served by __getattr__ below, from the schedule registry
+__all__ = ["MLPChain", "TinyTransformer", "CHECKPOINTING_MODES"]  # noqa: F822
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-Checkpointing = Union[str, "Plan"]  # one of CHECKPOINTING_MODES, or a ckptlib.schedules.Plan
+Checkpointing = Union[str, Plan]  # one of CHECKPOINTING_MODES, or a ckptlib.schedules.Plan
 
 
-def _plan_type() -> type | None:
-    """``ckptlib.schedules.Plan``, imported late: ``models`` must import without it."""
-    try:
-        from ckptlib.schedules import Plan
-    except ImportError:
-        return None
-    return Plan
+def __getattr__(name: str) -> object:
+    # CHECKPOINTING_MODES is read from the schedule registry when asked for, so a schedule
+    # registered later (ckptlib.schedules.registry.register) is a mode too.
+    if name == "CHECKPOINTING_MODES":
+        return registry.modes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _checked_mode(value: Checkpointing) -> Checkpointing:
-    if isinstance(value, str) and value in CHECKPOINTING_MODES:
-        return value
-    plan_type = _plan_type()
-    if plan_type is not None and isinstance(value, plan_type):
+    if isinstance(value, Plan) or (isinstance(value, str) and registry.by_mode(value) is not None):
         return value
     raise ValueError(
         f"checkpointing={value!r} is not a valid choice; use one of "
-        f"{', '.join(repr(mode) for mode in CHECKPOINTING_MODES)}, "
+        f"{', '.join(repr(mode) for mode in registry.modes())}, "
         "or a ckptlib.schedules.Plan for checkpoint_sequential."
     )
 
@@ -76,20 +69,21 @@ def _checked_mode(value: Checkpointing) -> Checkpointing:
 def _checked_batch(batch: object, where: str) -> Batch:
     """``batch`` when it is an ``(input, target)`` pair of tensors. A bare tensor would unpack
     along its first dimension into two rows and train on nonsense, so it is refused too."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch):
+    if (isinstance(batch, (tuple, list)) and len(batch) == 2
+            and all(isinstance(t, torch.Tensor) for t in batch)):
         return tuple(batch)
-    raise TypeError(f"{where}: batch must be an (input, target) pair of tensors, as example_batch() "
-                    f"returns, {got(batch)}.")
+    raise TypeError(f"{where}: batch must be an (input, target) pair of tensors, as "
+                    f"example_batch() returns, {got(batch)}.")
 
 
 def _checked_batch_size(batch: object, seed: object, where: str) -> tuple[int, int]:
     return integer(batch, "batch", least=1, where=where), integer(seed, "seed", where=where)
 
 
-def _sequential_tools():
-    """``checkpoint_sequential`` and ``sqrt_n``, imported late so ``models`` imports without them."""
+def _checkpoint_sequential():
+    """``ckptlib.sequential.checkpoint_sequential``, imported when a plan runs: a course build
+    without ``sequential`` still runs the per-block modes, and says what to use instead."""
     try:
-        from ckptlib.schedules import sqrt_n
         from ckptlib.sequential import checkpoint_sequential
     except ImportError as error:
         raise ImportError(
@@ -97,29 +91,22 @@ def _sequential_tools():
             "ckptlib.sequential.checkpoint_sequential, which could not be imported "
             f"({error}). Use checkpointing='block' or 'torch' instead."
         ) from error
-    return checkpoint_sequential, sqrt_n
+    return checkpoint_sequential
 
 
-def run_blocks(blocks: nn.Sequential, x: torch.Tensor, checkpointing: Checkpointing) -> torch.Tensor:
-    """Run ``x`` through ``blocks`` the way ``checkpointing`` says (see the module docstring)."""
-    if checkpointing == "none":
-        return blocks(x)
-    if checkpointing == "block":
-        for block in blocks:
-            x = checkpoint(block, x)
-        return x
-    if checkpointing == "torch":
-        for block in blocks:
-            x = torch_checkpoint(block, x, use_reentrant=False)
-        return x
-    if checkpointing == "selective":
-        for block in blocks:
-            x = selective_checkpoint(block, x, policy=save_matmuls)
-        return x
-    # "sqrt" or a Plan: a sequence-level schedule decides which block outputs to keep.
-    checkpoint_sequential, sqrt_n = _sequential_tools()
-    plan = sqrt_n(len(blocks)) if checkpointing == "sqrt" else checkpointing
-    return checkpoint_sequential(blocks, plan, x)
+def run_blocks(blocks: nn.Sequential, x: torch.Tensor,
+               checkpointing: Checkpointing) -> torch.Tensor:
+    """Run ``x`` through ``blocks`` the way ``checkpointing`` says (see the module docstring):
+    the mode's own ``run`` in the schedule registry, else ``checkpoint_sequential`` with its
+    plan."""
+    if isinstance(checkpointing, Plan):
+        plan = checkpointing
+    else:
+        schedule = registry.by_mode(checkpointing)
+        if schedule.run is not None:
+            return schedule.run(blocks, x)
+        plan = schedule.make(len(blocks))
+    return _checkpoint_sequential()(blocks, plan, x)
 
 
 class _DemoModel(nn.Module):
@@ -133,7 +120,8 @@ class _DemoModel(nn.Module):
 
     @property
     def checkpointing(self) -> Checkpointing:
-        """How the blocks run: ``"none"``, ``"block"``, ``"torch"``, ``"sqrt"``, ``"selective"`` or a ``Plan``."""
+        """How the blocks run: one of ``CHECKPOINTING_MODES`` (``"none"``, ``"block"``,
+        ``"torch"``, ``"sqrt"``, ``"selective"``) or a ``Plan``."""
         return self._checkpointing
 
     @checkpointing.setter
@@ -159,7 +147,8 @@ class _DemoModel(nn.Module):
         Gradients are reset to ``None`` first, so every step allocates them afresh
         (what a memory meter around the step should see).
         """
-        batch = self.example_batch() if batch is None else _checked_batch(batch, f"{self._name}.training_step")
+        where = f"{self._name}.training_step"
+        batch = self.example_batch() if batch is None else _checked_batch(batch, where)
         self.zero_grad(set_to_none=True)
         loss = self.loss(batch)
         loss.backward()
@@ -197,7 +186,7 @@ class MLPChain(_DemoModel):
     >>> model.checkpointing = "all"  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: checkpointing='all' is not a valid choice; use one of 'none', 'block', 'torch', 'sqrt', ...
+    ValueError: checkpointing='all' is not a valid choice; use one of 'none', 'block', ...
     """
 
     def __init__(self, depth: int = 8, width: int = 256, *, checkpointing: Checkpointing = "none",
@@ -209,14 +198,16 @@ class MLPChain(_DemoModel):
         self.depth, self.width = depth, width
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(depth)))
+            self.blocks = nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU())
+                                          for _ in range(depth)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"MLPChain: x must be a tensor of shape (batch, {self.width}), {got(x)}.")
+            raise TypeError(f"MLPChain: x must be a tensor of shape (batch, {self.width}), "
+                            f"{got(x)}.")
         if x.dim() == 0 or x.shape[-1] != self.width:
-            raise ValueError(f"MLPChain(width={self.width}): x must have shape (batch, {self.width}), "
-                             f"got shape {tuple(x.shape)}.")
+            raise ValueError(f"MLPChain(width={self.width}): x must have shape "
+                             f"(batch, {self.width}), got shape {tuple(x.shape)}.")
         return run_blocks(self.blocks, x, self.checkpointing)
 
     def example_batch(self, batch: int = 8, seed: int = 0) -> Batch:
@@ -250,7 +241,8 @@ class CausalSelfAttention(nn.Module):
         self.heads, self.dropout = heads, dropout
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
-        self.register_buffer("future", torch.ones(seq, seq, dtype=torch.bool).triu(1), persistent=False)
+        self.register_buffer("future", torch.ones(seq, seq, dtype=torch.bool).triu(1),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
@@ -294,45 +286,50 @@ class TinyTransformer(_DemoModel):
     True
     """
 
-    def __init__(self, depth: int = 4, d_model: int = 128, heads: int = 4, seq: int = 64, vocab: int = 256,
-                 *, checkpointing: Checkpointing = "none", dropout: float = 0.0, seed: int = 0) -> None:
+    def __init__(self, depth: int = 4, d_model: int = 128, heads: int = 4, seq: int = 64,
+                 vocab: int = 256, *, checkpointing: Checkpointing = "none", dropout: float = 0.0,
+                 seed: int = 0) -> None:
         super().__init__(checkpointing)
         sizes = {"depth": depth, "d_model": d_model, "heads": heads, "seq": seq, "vocab": vocab}
         depth, d_model, heads, seq, vocab = (integer(value, name, least=1, where="TinyTransformer")
                                              for name, value in sizes.items())
         if d_model % heads:
-            raise ValueError(f"TinyTransformer: d_model={d_model} must be divisible by heads={heads} "
-                             "(each head gets d_model // heads features).")
-        dropout = number(dropout, "dropout", least=0, most=1, unit="probability", where="TinyTransformer")
+            raise ValueError(f"TinyTransformer: d_model={d_model} must be divisible by "
+                             f"heads={heads} (each head gets d_model // heads features).")
+        dropout = number(dropout, "dropout", least=0, most=1, unit="probability",
+                         where="TinyTransformer")
         seed = integer(seed, "seed", where="TinyTransformer")
         self.seq, self.vocab = seq, vocab
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             self.token_embedding = nn.Embedding(vocab, d_model)
             self.position_embedding = nn.Embedding(seq, d_model)
-            self.blocks = nn.Sequential(*(TransformerBlock(d_model, heads, seq, dropout) for _ in range(depth)))
+            self.blocks = nn.Sequential(*(TransformerBlock(d_model, heads, seq, dropout)
+                                          for _ in range(depth)))
             self.ln_f = nn.LayerNorm(d_model)
             self.head = nn.Linear(d_model, vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``batch x seq x vocab`` for integer ``tokens`` of shape ``batch x seq``."""
         if not isinstance(tokens, torch.Tensor) or tokens.dtype not in (torch.int64, torch.int32):
-            what = f"a tensor of dtype {tokens.dtype}" if isinstance(tokens, torch.Tensor) else got(tokens)[4:]
-            raise TypeError(f"TinyTransformer: tokens must be a tensor of integer token ids (torch.long), "
-                            f"shape (batch, seq), got {what}.")
+            what = (f"a tensor of dtype {tokens.dtype}" if isinstance(tokens, torch.Tensor)
+                    else got(tokens)[4:])
+            raise TypeError(f"TinyTransformer: tokens must be a tensor of integer token ids "
+                            f"(torch.long), shape (batch, seq), got {what}.")
         if tokens.dim() != 2:
-            raise ValueError(f"TinyTransformer: tokens must have shape (batch, seq), got shape {tuple(tokens.shape)}; "
-                             "for one sequence use tokens.unsqueeze(0).")
+            raise ValueError(f"TinyTransformer: tokens must have shape (batch, seq), got shape "
+                             f"{tuple(tokens.shape)}; for one sequence use tokens.unsqueeze(0).")
         seq = tokens.shape[1]
         if seq > self.seq:
-            raise ValueError(f"TinyTransformer was built for sequences of at most {self.seq} tokens, "
-                             f"got {seq}; build it with seq={seq} or shorten the input.")
+            raise ValueError(f"TinyTransformer was built for sequences of at most {self.seq} "
+                             f"tokens, got {seq}; build it with seq={seq} or shorten the input.")
         positions = torch.arange(seq, device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         return self.head(self.ln_f(run_blocks(self.blocks, x, self.checkpointing)))
 
     def example_batch(self, batch: int = 8, seed: int = 0) -> Batch:
-        """Random token sequences and their next tokens, both ``batch x seq``, on the model's device."""
+        """Random token sequences and their next tokens, both ``batch x seq``, on the model's
+        device."""
         batch, seed = _checked_batch_size(batch, seed, "TinyTransformer.example_batch")
         generator = torch.Generator().manual_seed(seed)
         text = torch.randint(self.vocab, (batch, self.seq + 1), generator=generator)

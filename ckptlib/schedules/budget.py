@@ -13,14 +13,15 @@ import math
 from typing import Sequence
 
 from ckptlib._arguments import number
-from ckptlib.schedules.plan import LayerCost, Plan, Segment, Step, _checked_costs
+from ckptlib.schedules.plan import LayerCost, Plan, Segment, Step, checked_costs
 
 __all__ = ["plan_for_budget"]
 
 _GRID_STEPS = 512  # memory resolution of plan_for_budget when sizes share no coarser unit
 
 
-def plan_for_budget(layer_costs: Sequence[LayerCost | Sequence[float]], memory_budget: float) -> Plan:
+def plan_for_budget(layer_costs: Sequence[LayerCost | Sequence[float]],
+                    memory_budget: float) -> Plan:
     """The plan with the least forward time whose :meth:`Plan.peak_bytes` fits ``memory_budget``.
 
     ``layer_costs`` has one record per layer: ``LayerCost(input_bytes,
@@ -46,21 +47,23 @@ def plan_for_budget(layer_costs: Sequence[LayerCost | Sequence[float]], memory_b
     >>> plan = plan_for_budget(costs, 700)
     >>> plan.peak_bytes(costs) <= 700, plan.forward_steps
     (True, 3)
-    >>> plan_for_budget(costs, 250)
+    >>> plan_for_budget(costs, 250)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: no plan runs these 6 layers within 250 bytes: the least any plan keeps is 300 bytes. Raise memory_budget to at least 300, or make the layers smaller.
+    ValueError: no plan runs these 6 layers within 250 bytes: the least any plan keeps is 300
+    bytes. Raise memory_budget to at least 300, or make the layers smaller.
     """
-    costs = _checked_costs(layer_costs, None)
+    costs = checked_costs(layer_costs, None)
     if not costs:
         raise ValueError("plan_for_budget: layer_costs is empty; give one LayerCost per layer.")
-    memory_budget = number(memory_budget, "memory_budget", least=0, unit="number of bytes", where="plan_for_budget")
+    memory_budget = number(memory_budget, "memory_budget", least=0, unit="number of bytes",
+                           where="plan_for_budget")
     n = len(costs)
-    least_bytes, least_body = _least_memory_plan(costs)
+    least_bytes, least_body = least_memory_plan(costs)
     if least_bytes > memory_budget:
         raise ValueError(
-            f"no plan runs these {n} layers within {memory_budget} bytes: the least any plan keeps is "
-            f"{least_bytes} bytes. "
+            f"no plan runs these {n} layers within {memory_budget} bytes: the least any plan "
+            f"keeps is {least_bytes} bytes. "
             f"Raise memory_budget to at least {least_bytes}, or make the layers smaller."
         )
     # Rounding sizes up can hide plans that fit only just; the least-memory plan is then the answer.
@@ -69,8 +72,10 @@ def plan_for_budget(layer_costs: Sequence[LayerCost | Sequence[float]], memory_b
 
 
 def _body_from_choices(choose, start: int, stop: int, memory: int,
-                       record_size: Sequence[int], checkpoint_size: Sequence[int]) -> tuple[Step, ...]:
-    """Rebuild a body from a DP's choices: ``choose(a, b, memory)`` is -1 (record a) or c (checkpoint [a, c))."""
+                       record_size: Sequence[int],
+                       checkpoint_size: Sequence[int]) -> tuple[Step, ...]:
+    """Rebuild a body from a DP's choices: ``choose(a, b, memory)`` is -1 (record a) or c
+    (checkpoint [a, c))."""
     steps: list[Step] = []
     while start < stop:
         choice = choose(start, stop, memory)
@@ -86,7 +91,7 @@ def _body_from_choices(choose, start: int, stop: int, memory: int,
     return tuple(steps)
 
 
-def _least_memory_plan(costs: list[LayerCost]) -> tuple[float, tuple[Step, ...]]:
+def least_memory_plan(costs: list[LayerCost]) -> tuple[float, tuple[Step, ...]]:
     """The smallest peak_bytes of any plan (exact), and a plan that has it."""
     n = len(costs)
     least: dict[tuple[int, int], float] = {(b, b): 0 for b in range(n + 1)}
@@ -95,7 +100,8 @@ def _least_memory_plan(costs: list[LayerCost]) -> tuple[float, tuple[Step, ...]]
         for a in range(n - length + 1):
             b = a + length
             options = [(costs[a].saved_bytes + least[a + 1, b], -1)]
-            options += [(max(costs[a].input_bytes + least[c, b], least[a, c]), c) for c in range(a + 1, b)]
+            options += [(max(costs[a].input_bytes + least[c, b], least[a, c]), c)
+                        for c in range(a + 1, b)]
             least[a, b], choice[a, b] = min(options)
     zeros = [0] * n
     body = _body_from_choices(lambda a, b, _: choice[a, b], 0, n, 0, zeros, zeros)
@@ -103,7 +109,8 @@ def _least_memory_plan(costs: list[LayerCost]) -> tuple[float, tuple[Step, ...]]
 
 
 def _fastest_plan_within(costs: list[LayerCost], memory_budget: float) -> tuple[Step, ...] | None:
-    """The body with the least recomputation time within the budget, on a memory grid; None if none fits."""
+    """The body with the least recomputation time within the budget, on a memory grid; None if
+    none fits."""
     import numpy as np
 
     n = len(costs)
@@ -145,4 +152,5 @@ def _fastest_plan_within(costs: list[LayerCost], memory_budget: float) -> tuple[
             time[a, b] = best
     if not np.isfinite(time[0, n, limit]):
         return None
-    return _body_from_choices(lambda a, b, m: int(choice[a, b, m]), 0, n, limit, record_size, checkpoint_size)
+    return _body_from_choices(lambda a, b, m: int(choice[a, b, m]), 0, n, limit, record_size,
+                              checkpoint_size)

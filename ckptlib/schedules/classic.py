@@ -1,4 +1,5 @@
-"""The classic schedules for a chain of n layers: uniform segments, sqrt(n), recursive halving, Revolve.
+"""The classic schedules for a chain of n layers: uniform segments, sqrt(n), recursive halving,
+Revolve.
 
 Each returns a :class:`~ckptlib.schedules.plan.Plan` (whose notes say how a plan
 runs); here is only how each one cuts the chain:
@@ -48,9 +49,11 @@ def uniform(n: int, k: int) -> Plan:
     n = integer(n, "n (the number of layers)", least=1, where="uniform")
     k = integer(k, "k (the number of segments)", least=1, where="uniform")
     if k > n:
-        raise ValueError(f"uniform({n}, {k}): cannot cut {n} layers into {k} segments; use k <= {n}.")
+        raise ValueError(f"uniform({n}, {k}): cannot cut {n} layers into {k} segments; use "
+                         f"k <= {n}.")
     size = n // k
-    return Plan(_segments_then_tail([size] * (k - 1) + [n - size * (k - 1)]), name=f"uniform({n}, {k})")
+    return Plan(_segments_then_tail([size] * (k - 1) + [n - size * (k - 1)]),
+                name=f"uniform({n}, {k})")
 
 
 def sqrt_n(n: int) -> Plan:
@@ -94,7 +97,8 @@ def recursive(n: int) -> Plan:
 
 
 def revolve(n: int, slots: int) -> Plan:
-    """Griewank and Walther's binomial checkpointing: fewest recomputations with ``slots`` checkpoints.
+    """Griewank and Walther's binomial checkpointing: fewest recomputations with ``slots``
+    checkpoints.
 
     ``slots`` counts checkpoints, the one holding the input ``x0`` included
     (Griewank-Walther's ``s``). The plan is found by dynamic programming over

@@ -1,4 +1,5 @@
-"""What a checkpointing plan is: nested checkpoints over a chain of layers, and the training step they make.
+"""What a checkpointing plan is: nested checkpoints over a chain of layers, and the training
+step they make.
 
 Design notes
 ============
@@ -121,9 +122,11 @@ class Segment:
 
     def __post_init__(self) -> None:
         where = f"Segment({self.start!r}, {self.stop!r})"
-        start, stop = integer(self.start, "start", where=where), integer(self.stop, "stop", where=where)
+        start = integer(self.start, "start", where=where)
+        stop = integer(self.stop, "stop", where=where)
         if not 0 <= start < stop:
-            raise ValueError(f"{where}: need 0 <= start < stop (the segment holds layers start .. stop-1).")
+            raise ValueError(f"{where}: need 0 <= start < stop (the segment holds layers "
+                             "start .. stop-1).")
         body = _checked_body(self.body, where, "body", "() for every layer recorded")
         object.__setattr__(self, "start", start)
         object.__setattr__(self, "stop", stop)
@@ -161,7 +164,8 @@ class Action(NamedTuple):
 
 
 class LayerCost(NamedTuple):
-    """What one layer of a chain costs, as :func:`plan_for_budget` and :meth:`Plan.peak_bytes` use it.
+    """What one layer of a chain costs, as :func:`plan_for_budget` and :meth:`Plan.peak_bytes`
+    use it.
 
     ``input_bytes``: the layer's input, what a checkpoint in front of it keeps.
     ``saved_bytes``: what the layer keeps for its backward when it runs
@@ -217,7 +221,8 @@ class Plan:
     """
 
     def __init__(self, body: Sequence[Step], name: str = "Plan") -> None:
-        self.body: tuple[Step, ...] = _checked_body(body, "Plan", "body", "e.g. Plan([Segment(0, 2), 2])")
+        self.body: tuple[Step, ...] = _checked_body(body, "Plan", "body",
+                                                    "e.g. Plan([Segment(0, 2), 2])")
         if not isinstance(name, str):
             raise TypeError(f"Plan: name must be a string (how the plan was made), {got(name)}.")
         stop = _layers_end(self.body)
@@ -225,7 +230,8 @@ class Plan:
         self.n = stop
         self.name = name
         self.actions: tuple[Action, ...] = _actions(self.body)
-        self.forward_steps = sum(a.stop - a.start for a in self.actions if a.op == "forward" and not a.keep)
+        self.forward_steps = sum(a.stop - a.start for a in self.actions
+                                 if a.op == "forward" and not a.keep)
         self.forward_calls = sum(a.stop - a.start for a in self.actions if a.op == "forward")
         self.peak_slots = max((len(checkpoints) for checkpoints, _ in self.states()), default=0)
         self.peak_activations = self._peak(lambda layer: 1, lambda layer: 1)
@@ -239,8 +245,9 @@ class Plan:
         >>> uniform(4, 2).peak_bytes([(10, 30, 1.0)] * 4)      # x0 kept, layers 2-3 recorded
         70
         """
-        costs = _checked_costs(layer_costs, self.n)
-        return self._peak(lambda layer: costs[layer].input_bytes, lambda layer: costs[layer].saved_bytes)
+        costs = checked_costs(layer_costs, self.n)
+        return self._peak(lambda layer: costs[layer].input_bytes,
+                          lambda layer: costs[layer].saved_bytes)
 
     def forward_s(self, layer_costs: Sequence[LayerCost | Sequence[float]]) -> float:
         """Seconds of layer forwards in one training step (first forward and recomputations).
@@ -249,7 +256,7 @@ class Plan:
         >>> uniform(4, 2).forward_s([(10, 30, 1.0)] * 4)        # 4 layers + 2 recomputed
         6.0
         """
-        costs = _checked_costs(layer_costs, self.n)
+        costs = checked_costs(layer_costs, self.n)
         return sum(costs[layer].forward_s for a in self.actions if a.op == "forward"
                    for layer in range(a.start, a.stop))
 
@@ -290,7 +297,8 @@ class Plan:
                  "  " + "".join(str(i % 10) for i in range(self.n))]
         previous = None
         for action, (checkpoints, recorded) in zip(self.actions, self.states()):
-            strip = ["o" if i in checkpoints else "#" if i in recorded else "." for i in range(self.n)]
+            strip = ["o" if i in checkpoints else "#" if i in recorded else "."
+                     for i in range(self.n)]
             mark = {"forward": ">", "backward": "<"}.get(action.op, "")
             for i in range(action.start, action.stop):
                 if mark and strip[i] == ".":
@@ -323,11 +331,13 @@ class Plan:
         from matplotlib.axes import Axes
 
         if ax is not None and not isinstance(ax, Axes):
-            raise TypeError(f"Plan.plot: ax must be a matplotlib Axes to draw on, or None for a new figure, {got(ax)}.")
+            raise TypeError(f"Plan.plot: ax must be a matplotlib Axes to draw on, or None for a "
+                            f"new figure, {got(ax)}.")
         if ax is None:
             _, ax = plt.subplots(figsize=(9, 3.5))
         styles = {
-            ("forward", False): dict(color=palette.MUTED, linestyle="--", label="forward, keep nothing"),
+            ("forward", False): dict(color=palette.MUTED, linestyle="--",
+                                     label="forward, keep nothing"),
             ("forward", True): dict(color=palette.FORWARD, label="forward, record"),
             ("backward", False): dict(color=palette.BACKWARD, label="backward"),
         }
@@ -344,14 +354,16 @@ class Plan:
         for action in self.actions:
             span = action.stop - action.start
             if action.op in ("forward", "backward"):
-                ends = [action.start, action.stop] if action.op == "forward" else [action.stop, action.start]
-                ax.plot([time, time + span], ends, linewidth=2, **once(styles[action.op, action.keep]))
+                ends = ([action.start, action.stop] if action.op == "forward"
+                        else [action.stop, action.start])
+                ax.plot([time, time + span], ends, linewidth=2,
+                        **once(styles[action.op, action.keep]))
                 time += span
             elif action.op == "store":
                 stored_at[action.start] = time
             else:
-                ax.hlines(action.start, stored_at.pop(action.start), time, color=palette.SAVED, linewidth=5,
-                          alpha=0.4, **once(dict(label="checkpoint held")))
+                ax.hlines(action.start, stored_at.pop(action.start), time, color=palette.SAVED,
+                          linewidth=5, alpha=0.4, **once(dict(label="checkpoint held")))
         ax.set_xlabel("time (layer forward and backward steps)")
         ax.set_ylabel("layer (x_i: input of layer i)")
         ax.set_title(f"{self.name}: {self.forward_steps} recomputed layer forwards, "
@@ -361,10 +373,11 @@ class Plan:
 
 
 def _checked_body(body: Any, where: str, name: str, example: str) -> tuple[Step, ...]:
-    """``body`` as a tuple, when it is an ordered collection of steps (sets, dicts and strings are not)."""
+    """``body`` as a tuple, when it is an ordered collection of steps (sets, dicts and strings
+    are not)."""
     if isinstance(body, (str, bytes, Set, Mapping)) or not isinstance(body, Iterable):
-        raise TypeError(f"{where}: {name} must be a list or tuple of steps (layer indices and Segments, "
-                        f"in layer order), {example}; {got(body)}.")
+        raise TypeError(f"{where}: {name} must be a list or tuple of steps (layer indices and "
+                        f"Segments, in layer order), {example}; {got(body)}.")
     return tuple(body)
 
 
@@ -443,13 +456,14 @@ def _actions(body: tuple[Step, ...]) -> tuple[Action, ...]:
     return tuple(actions)
 
 
-def _checked_costs(layer_costs: Sequence[LayerCost | Sequence[float]], n: int | None) -> list[LayerCost]:
+def checked_costs(layer_costs: Sequence[LayerCost | Sequence[float]],
+                  n: int | None) -> list[LayerCost]:
     """The records as LayerCosts of plain Python numbers (a NumPy integer counts as an int)."""
     try:
         costs = [LayerCost(*record) for record in layer_costs]
     except TypeError as error:
-        raise TypeError("layer_costs must be one (input_bytes, saved_bytes, forward_s) record per layer, "
-                        f"e.g. LayerCost(4096, 8192, 1e-4): {error}") from None
+        raise TypeError("layer_costs must be one (input_bytes, saved_bytes, forward_s) record per "
+                        f"layer, e.g. LayerCost(4096, 8192, 1e-4): {error}") from None
     if n is not None and len(costs) != n:
         raise ValueError(f"layer_costs has {len(costs)} records, but the plan has {n} layers; "
                          "give one LayerCost per layer.")

@@ -3,27 +3,18 @@
 Design notes
 ============
 
-What one step is. A *step* is one ``model.training_step(batch)`` (forward, loss,
-backward) of a ckptlib demo model. It runs once under a
-:class:`~ckptlib.memory.MemoryMeter` for the peak and the per-op timeline, then bare
-for the wall time (the CPU meter does Python work after every op, which would inflate the
-time by a factor of two or so). On CUDA the meter reads the caching allocator, elsewhere it
-counts live tensors.
+The pieces. What a step runs, and how it is measured and timed (one metered step, then
+bare steps in turns with checkpointing off; torch's rerun told apart), is
+:mod:`ckptlib.widgets._dashboard_models`: the demo models' menu from the schedule registry,
+:class:`~ckptlib.widgets._dashboard_models.AppliedModel` for a model of any kind. The one
+figure is :mod:`ckptlib.widgets._dashboard_plot`, the words of the readout and the
+messages :mod:`ckptlib.widgets._dashboard_text`. This module is the widget: its controls,
+its runs and what they recorded.
 
-Timing that noise cannot fake. A time measured now against one measured a minute ago
-compares two moments of a shared machine, not two settings: that is how checkpointing, which
-does more work, once read "0.24x the time". So with checkpointing on, each step times the
-current setting *and* checkpointing off in the same click, in turns (see
-:mod:`ckptlib.widgets._timing`), :data:`TIMED_STEPS` runs each after a warm-up, and the
-readout gives both medians with their spreads. When the spreads overlap, or checkpointing
-comes out faster, it says "within noise" instead of a bare ratio. The bare step is timed by
-``dashboard.timer(model, batch) -> seconds``; a test replaces it with a clock it controls.
-
-Phases. The meter colours the ops of a ckptlib checkpoint's rerun as "recompute";
-``torch.utils.checkpoint`` has no public flag for its rerun, so the dashboard looks at
-the saved-tensor hooks in force: while torch reruns a region its own recomputation hook
-is on top (a torch internal; where a torch version moves it, the rerun stays in the
-backward colour and the legend says why).
+A model of any kind. A module without the demo interface (a Hugging Face model) is run
+with the inputs given as ``batch=``: its menu is ``ckptlib.apply_checkpointing``'s variants
+on its repeated layers (every layer, every 2nd, a selective policy, offload), applied for
+the length of a run and removed after it, so the model leaves a run with its own ``forward``.
 
 A model of the learner's own. Its ``checkpointing`` switch may not implement every schedule
 of the menu. A value the switch refuses (it raises) is marked in the menu at construction; a
@@ -41,12 +32,6 @@ A second ``run`` from another thread (or from inside a step) does not wait: it
 finds the run lock taken, says so in the widget and returns ``[]``. No thread is
 ever started here.
 
-One figure. The plot is a single ``matplotlib.figure.Figure`` made without
-pyplot, drawn at twice its on-screen size (sharp on any screen, text at least 11 px),
-redrawn after each step and shown as PNG bytes in an ``Image`` widget; before the first
-run it shows what will appear there. The plot sits above the readout and the message, so
-text that appears or wraps below it never moves it.
-
 Bad settings. A batch of 0, or a step whose live memory crosses
 ``memory_limit_bytes`` (the meter checks after every op and stops the step at
 the first op above it), or any ``RuntimeError``/``MemoryError`` from the step
@@ -57,126 +42,45 @@ as a line. On CPU the default limit, 256 MiB, plays the part of a small
 accelerator: the largest plain settings do not fit, and the same settings with
 checkpointing on do.
 """
+
 from __future__ import annotations
 
-import html
 import math
 import statistics
 import threading
-import time
 from typing import Any, Callable
 
 import ipywidgets as widgets
 import torch
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
 
-from ckptlib import palette
 from ckptlib._arguments import integer, number
-from ckptlib.memory import MemoryMeter, TimelineEntry
-from ckptlib.models import Checkpointing, MLPChain, TinyTransformer
-from ckptlib.schedules import Plan, revolve
-from ckptlib.widgets._timing import interleaved, ratio_text, times_text
+from ckptlib.memory import TimelineEntry
+from ckptlib.models import Checkpointing, TinyTransformer
+from ckptlib.schedules.registry import REGISTRY
+from ckptlib.widgets._dashboard_models import MODEL_NEEDS as MODEL_NEEDS
+from ckptlib.widgets._dashboard_models import TIMED_STEPS as TIMED_STEPS
+from ckptlib.widgets._dashboard_models import (
+    OFF, TOP_HOOKS, TORCH, AppliedModel, MiB, OverLimit, RanAsPlain, applied_schedules,
+    check_model, demo_schedules, knows_its_schedules, measure_step, recomputes, time_one_step,
+    time_steps)
+from ckptlib.widgets._dashboard_plot import FIGURE_PX, draw, draw_placeholder, new_figure
+from ckptlib.widgets._dashboard_text import (
+    advice, did_not_fit, explanation, message_html, not_implemented, readout, readout_html,
+    settings_label)
 from ckptlib.widgets._view import WidgetView, png_bytes
 
 __all__ = ["MemoryDashboard"]
 
-MiB = 2**20
-OFF = "none"
 CPU_MEMORY_LIMIT_BYTES = 256 * MiB
-TIMED_STEPS = 3
-LIMIT_SHOWN = 2.5   # the memory limit is drawn when it is at most this many times the plot's top
-# Revolve keeps at most this many block inputs, however deep the model: flat memory, more recomputation.
-REVOLVE_SLOTS = 2
-REVOLVE = f"Revolve ({REVOLVE_SLOTS} slots)"
-# The plot: its size on screen (CSS pixels at 80 per inch) and the scale it is drawn at.
-FIGURE_INCHES, SCREEN_DPI, DRAW_SCALE = (8.2, 3.4), 80, 2   # 656 px: fits 1100 px with the side panel open
-FIGURE_PX = round(FIGURE_INCHES[0] * SCREEN_DPI)             # its width on screen, in CSS pixels
-FONT_PT = 10        # 10 pt at 80 px per inch: 11 px on screen
-# What a model passed to the dashboard must have, and why.
-MODEL_NEEDS = {
-    "blocks": "its repeated layers, in order (an nn.Sequential or nn.ModuleList): the schedules "
-              "checkpoint them, and their number is the depth",
-    "checkpointing": "a settable switch taking 'none', 'block', 'torch', 'sqrt', 'selective' or a "
-                     "ckptlib.schedules.Plan",
-    "example_batch": "example_batch(batch=n): a batch of n examples on the model's device",
-    "training_step": "training_step(batch): forward, loss and backward on that batch",
-}
-
-
-class _OverLimit(MemoryError):
-    """Raised from the meter's per-op callback: the step crossed ``memory_limit_bytes``."""
-
-    def __init__(self, entry: TimelineEntry) -> None:
-        super().__init__(f"{entry.live_bytes / MiB:.2f} MiB live after op #{entry.index} "
-                         f"({entry.op}, {entry.phase})")
-        self.entry = entry
-        self.timeline: list[TimelineEntry] = []
-
-
-class _RanAsPlain(Exception):
-    """A checkpointing schedule's step recomputed nothing: the model does not implement it."""
-
-
-def _schedules() -> dict[str, Callable[[int], Checkpointing]]:
-    """Schedule label -> the model's ``checkpointing`` value for ``depth`` blocks."""
-    return {
-        OFF: lambda depth: "none",
-        "per block": lambda depth: "block",
-        "per block (torch)": lambda depth: "torch",
-        "sqrt(n)": lambda depth: "sqrt",
-        REVOLVE: lambda depth: revolve(depth, REVOLVE_SLOTS),
-        "selective (save matmuls)": lambda depth: "selective",
-    }
-
-
-def _recomputes(value: Checkpointing, depth: int) -> bool:
-    """Does a ckptlib demo model, run with ``value``, recompute anything in backward?
-
-    A plan for a single block keeps everything (nothing to recompute), so "nothing was
-    recomputed" only tells that a model ignored the value when the demo models would not.
-    """
-    if isinstance(value, Plan):
-        return value.forward_steps > 0
-    if value == "sqrt":
-        return depth > 1
-    return value != "none"
-
-
-_top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def _torch_recomputing() -> bool | None:
-    """Is ``torch.utils.checkpoint`` rerunning a region now? ``None``: this torch does not say."""
-    if _top_hooks is None:
-        return None
-    top = _top_hooks(False)
-    pack = top[0] if top else None
-    return (getattr(pack, "__module__", None) == "torch.utils.checkpoint"
-            and getattr(pack, "__qualname__", "").startswith("_recomputation_hook"))
-
-
-def check_model(model: Any) -> None:
-    """Raise a ``TypeError`` naming what ``model`` lacks to be run by the dashboard (see :data:`MODEL_NEEDS`)."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"MemoryDashboard(model=...) needs an nn.Module, got {type(model).__name__}.")
-    missing = [name for name in MODEL_NEEDS if not hasattr(model, name)]
-    if not missing and not hasattr(model.blocks, "__len__"):
-        missing = ["blocks"]
-    if missing:
-        needs = "; ".join(f"{name}: {MODEL_NEEDS[name]}" for name in missing)
-        raise TypeError(
-            f"MemoryDashboard(model=...): {type(model).__name__} has no {', '.join(missing)}. The dashboard "
-            f"needs {needs}. ckptlib's demo models (TinyTransformer, MLPChain) have all of these; give your "
-            "model the same, or run it with ckptlib.measure instead.")
-    if next(model.parameters(), None) is None:
-        raise TypeError(f"MemoryDashboard(model=...): {type(model).__name__} has no parameters, so there is "
-                        "no device to run on and no gradient to compute.")
+# Revolve keeps at most this many block inputs, however deep the model: flat memory, more
+# recomputation (the registry's Revolve, as the dashboard runs it).
+REVOLVE_SLOTS = REGISTRY["revolve"].dashboard_parameter
+REVOLVE = REGISTRY["revolve"].label
 
 
 def _checked_limit(memory_limit_bytes: Any) -> float | None:
-    """``memory_limit_bytes`` when it is ``None``, ``math.inf`` (no limit) or a number of bytes >= 1."""
+    """``memory_limit_bytes`` when it is ``None``, ``math.inf`` (no limit) or a number of
+    bytes >= 1."""
     if isinstance(memory_limit_bytes, float) and memory_limit_bytes == math.inf:
         return memory_limit_bytes
     if memory_limit_bytes is None:
@@ -185,33 +89,33 @@ def _checked_limit(memory_limit_bytes: Any) -> float | None:
                   note="or None for the default, math.inf for no limit", where="MemoryDashboard")
 
 
-def _time_one_step(model: torch.nn.Module, batch: Any) -> float:
-    """Seconds of one bare ``model.training_step(batch)`` (on CUDA, until the device is done)."""
-    cuda = next(model.parameters()).device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    model.training_step(batch)
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 class MemoryDashboard(WidgetView):
-    """Toggle checkpointing on a small Transformer and watch what one training step holds.
+    """Toggle checkpointing on a small Transformer, or a model of yours, and watch what one
+    training step holds.
 
     Args:
         model: a model with ``blocks``, a ``checkpointing`` switch, ``example_batch`` and
             ``training_step`` (see :data:`MODEL_NEEDS`; ckptlib's ``TinyTransformer`` and
-            ``MLPChain`` have them; anything else is a ``TypeError`` here, saying what is
-            missing). Its depth is fixed, so the depth slider is disabled; the schedules its
-            switch does not implement are marked in the menu and refused. Default: a
-            ``TinyTransformer`` that a laptop CPU runs in a fraction of a second,
+            ``MLPChain`` have them): the menu is the schedule registry's
+            (``ckptlib.schedules.registry``), and the schedules its switch does not
+            implement are marked in the menu and refused. Or any ``nn.Module`` with repeated
+            layers (a Hugging Face model) together with its inputs as ``batch``: the menu is
+            then ``ckptlib.apply_checkpointing``'s variants ("every layer", "every 2nd
+            layer", "selective (save matmuls)", "offload"), applied for the length of a run
+            and removed after it. A module with neither is a ``TypeError`` here, saying what
+            is missing. A given model's depth is fixed, so the depth slider is disabled.
+            Default: a ``TinyTransformer`` that a laptop CPU runs in a fraction of a second,
             rebuilt when the depth slider moves.
         device: where the default model lives (default: CUDA if available, else
             CPU); ignored when ``model`` is given (its parameters say where).
         depth, batch, steps: initial slider values (integers: ``1 <= depth <= max_depth``,
             ``0 <= batch <= max_batch``, ``steps >= 1``; anything else is an error, not a clamp).
+            With a model of any kind, ``batch`` is its inputs instead: a dict of keyword
+            arguments (``{"input_ids": ..., "labels": ...}``; a Hugging Face model given
+            ``labels`` returns its loss, else the mean of its first output is differentiated),
+            a tensor or a tuple of them, all fixed (the batch slider shows their size,
+            disabled); or a callable ``n -> inputs`` for n examples (the slider picks n,
+            starting at 8).
         max_depth, max_batch: slider ranges.
         memory_limit_bytes: a step whose live memory crosses it is stopped with a
             message (default: 256 MiB on CPU, none on CUDA where the real limit
@@ -239,27 +143,42 @@ class MemoryDashboard(WidgetView):
     ['backward', 'forward', 'recompute']
     >>> dashboard.readout_text.startswith("step 1 · per block, depth 2, batch 2: peak ")
     True
+
+    A Hugging Face model (any module with repeated layers) comes with its inputs::
+
+        dashboard = MemoryDashboard(gpt2, batch={"input_ids": ids, "labels": ids})
+        dashboard.schedule.value = "every layer"     # apply_checkpointing(gpt2), for each run
     """
 
-    def __init__(self, model: torch.nn.Module | None = None, device: torch.device | str | None = None, *,
-                 depth: int = 4, batch: int = 8, steps: int = 2, max_depth: int = 16, max_batch: int = 32,
-                 memory_limit_bytes: float | None = None) -> None:
+
+    def __init__(self, model: Any = None, device: torch.device | str | None = None, *,
+                 depth: int = 4, batch: Any = 8, steps: int = 2, max_depth: int = 16,
+                 max_batch: int = 32, memory_limit_bytes: float | None = None) -> None:
         where = "MemoryDashboard"
         max_depth = integer(max_depth, "max_depth", least=1, where=where)
         max_batch = integer(max_batch, "max_batch", least=1, where=where)
         depth = integer(depth, "depth", least=1, where=where)
-        batch = integer(batch, "batch", least=0, where=where)
+        # A model of any kind comes with its inputs: anything but a number of examples.
+        inputs_given = model is not None and not isinstance(batch, (int, float, str))
+        self._applied = AppliedModel(model, batch) if inputs_given else None
+        if self._applied is None:
+            batch = integer(batch, "batch", least=0, where=where)
+            self._schedules = demo_schedules()
+        else:
+            model, self._schedules = self._applied, applied_schedules()
+            batch = self._applied.fixed_batch_size or min(8, max_batch)
+            max_batch = max(max_batch, batch)
         steps = integer(steps, "steps", least=1, where=where)
         memory_limit_bytes = _checked_limit(memory_limit_bytes)
-        self._schedules = _schedules()
         if model is None:
             if depth > max_depth:
-                raise ValueError(f"{where}: depth must be at most max_depth={max_depth}, got {depth}; "
-                                 f"raise max_depth or lower depth.")
+                raise ValueError(f"{where}: depth must be at most max_depth={max_depth}, got "
+                                 f"{depth}; raise max_depth or lower depth.")
             self.device = torch.device(device if device is not None else
                                        "cuda" if torch.cuda.is_available() else "cpu")
         else:
-            check_model(model)
+            if self._applied is None:
+                check_model(model)
             self.device = next(model.parameters()).device
             depth = max_depth = len(model.blocks)
         if batch > max_batch:
@@ -271,33 +190,43 @@ class MemoryDashboard(WidgetView):
         self._model, self._own_model = model, model is None
         self.history: list[dict[str, Any]] = []
         self.failures: list[dict[str, Any]] = []
-        self._outcomes: list[dict[str, Any]] = []   # history and failures, in the order they happened
+        self._outcomes: list[dict[str, Any]] = []   # history and failures, in the order they ran
         self.timeline_data: list[TimelineEntry] = []
         self.unsupported: dict[str, str] = {} if model is None else self._refused_by(model)
-        self.timer: Callable[[torch.nn.Module, Any], float] = _time_one_step
-        self._last_schedule = "per block"
+        self.timer: Callable[[Any, Any], float] = time_one_step
+        self._last_schedule = next(label for label in self._schedules if label != OFF)
         self._message_text = self._readout_text = ""
-        self._syncing = False   # the toggle and the menu are being set together: observers stand by
+        self._syncing = False   # the toggle and the menu are being set together: observers wait
         self._run_lock = threading.Lock()
+        fixed_batch = self._applied is not None and self._applied.fixed_batch_size is not None
+        self._build_controls(depth, max_depth, batch, max_batch, steps, fixed_batch)
+        self._figure = new_figure()
+        self._say_readout("Press Run to measure a training step.")
+        draw_placeholder(self._figure)
+        self.plot.value = png_bytes(self._figure)
 
+    def _build_controls(self, depth: int, max_depth: int, batch: int, max_batch: int, steps: int,
+                        fixed_batch: bool) -> None:
         self.checkpointing = widgets.ToggleButton(
             value=False, tooltip="Recompute activations in backward instead of keeping them",
             layout=widgets.Layout(width="auto", min_width="210px"))
         self.schedule = widgets.Dropdown(options=self._menu(), value=OFF, description="schedule",
                                          layout=widgets.Layout(width="auto"))
         self.depth = widgets.IntSlider(value=depth, min=1, max=max_depth, description="depth",
-                                       disabled=model is not None)
+                                       disabled=not self._own_model)
         # min=0 on purpose: a learner may slide to an empty batch, and is told why it cannot run.
-        self.batch = widgets.IntSlider(value=batch, min=0, max=max_batch, description="batch")
+        self.batch = widgets.IntSlider(value=batch, min=0, max=max_batch, description="batch",
+                                       disabled=fixed_batch)
         self.steps = widgets.IntSlider(value=steps, min=1, max=max(10, steps), description="steps")
         self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
         # Two lines' room for the readout: a longer one wraps below the plot and moves nothing.
         self.readout = widgets.HTML(layout=widgets.Layout(min_height="44px"))
         self.message = widgets.HTML(value="")
-        self.plot = widgets.Image(format="png", layout=widgets.Layout(width=f"{FIGURE_PX}px", max_width="100%",
-                                                                       height="auto"))
+        self.plot = widgets.Image(format="png", layout=widgets.Layout(
+            width=f"{FIGURE_PX}px", max_width="100%", height="auto"))
         for name, widget in (("checkpointing", self.checkpointing), ("run", self.run_button),
-                             ("readout", self.readout), ("message", self.message), ("plot", self.plot)):
+                             ("readout", self.readout), ("message", self.message),
+                             ("plot", self.plot)):
             widget.add_class(f"ckptlib-{name}")  # stable handles for the browser test
         self._style_toggle(False)
         self.checkpointing.observe(self._on_toggle, names="value")
@@ -305,34 +234,36 @@ class MemoryDashboard(WidgetView):
         self.run_button.on_click(lambda _button: self.run())
         controls = dict(flex_flow="row wrap", align_items="center")
         self.widget = widgets.VBox([
-            widgets.HBox([self.checkpointing, self.schedule, self.run_button], layout=widgets.Layout(**controls)),
+            widgets.HBox([self.checkpointing, self.schedule, self.run_button],
+                         layout=widgets.Layout(**controls)),
             widgets.HBox([self.depth, self.batch, self.steps], layout=widgets.Layout(**controls)),
             self.plot, self.readout, self.message,
         ], layout=widgets.Layout(max_width="100%"))
         self.widget.add_class("ckptlib-dashboard")
-        self._figure = Figure(figsize=FIGURE_INCHES, dpi=SCREEN_DPI * DRAW_SCALE)
-        self._say_readout("Press Run to measure a training step.")
-        self._draw_placeholder()
 
     def _text(self) -> str:
-        return f"MemoryDashboard({self._settings_label(self._settings())}, on {self.device.type})"
+        return f"MemoryDashboard({settings_label(self._settings())}, on {self.device.type})"
 
     def close(self) -> None:
-        """Close every widget of the dashboard (their views go blank) and clear the figure."""
+        """Close every widget of the dashboard (their views go blank) and clear the figure; a
+        model run through ``apply_checkpointing`` has its own ``forward`` back."""
+        if self._applied is not None:
+            self._applied.checkpointing = OFF
         super().close()
         self._figure.clear()
 
     # -- what a model of the learner's own can run ----------------------------------
-    def _refused_by(self, model: torch.nn.Module) -> dict[str, str]:
-        """The schedules whose value ``model.checkpointing`` refuses, each with the error it raised."""
-        if isinstance(model, (TinyTransformer, MLPChain)):
+    def _refused_by(self, model: Any) -> dict[str, str]:
+        """The schedules whose value ``model.checkpointing`` refuses, each with its error."""
+        if knows_its_schedules(model):
             return {}
         refused, original = {}, model.checkpointing
         for label, value_for in self._schedules.items():
             try:
                 model.checkpointing = value_for(len(model.blocks))
             except (TypeError, ValueError) as error:
-                refused[label] = f"its checkpointing switch refuses it ({type(error).__name__}: {error})"
+                refused[label] = (f"its checkpointing switch refuses it "
+                                  f"({type(error).__name__}: {error})")
         model.checkpointing = original
         return refused
 
@@ -345,7 +276,7 @@ class MemoryDashboard(WidgetView):
         self.unsupported[schedule] = why
         value, self._syncing = self.schedule.value, True
         try:
-            self.schedule.options = self._menu()   # resets the value: put it back, observers standing by
+            self.schedule.options = self._menu()   # resets the value: put it back, observers wait
             self.schedule.value = value
         finally:
             self._syncing = False
@@ -379,11 +310,6 @@ class MemoryDashboard(WidgetView):
         return {"checkpointing": self.schedule.value != OFF, "schedule": self.schedule.value,
                 "depth": self.depth.value, "batch": self.batch.value}
 
-    @staticmethod
-    def _settings_label(settings: dict[str, Any]) -> str:
-        schedule = "checkpointing off" if settings["schedule"] == OFF else settings["schedule"]
-        return f"{schedule}, depth {settings['depth']}, batch {settings['batch']}"
-
     @property
     def message_text(self) -> str:
         """What ``message`` says, as plain text (``""`` when all is well)."""
@@ -396,14 +322,11 @@ class MemoryDashboard(WidgetView):
 
     def _say(self, text: str) -> None:
         self._message_text = text
-        self.message.value = "" if not text else (
-            "<div style='white-space:normal; max-width:780px; padding:6px 10px; line-height:1.35; "
-            f"border-left:4px solid {palette.LIMIT}; background:#FDECEA; color:#611A15'>{html.escape(text)}</div>")
+        self.message.value = message_html(text)
 
     def _say_readout(self, text: str) -> None:
         self._readout_text = text
-        self.readout.value = (f"<div style='white-space:normal; overflow-wrap:anywhere; line-height:1.35; "
-                              f"max-width:{FIGURE_PX}px'>{html.escape(text)}</div>")
+        self.readout.value = readout_html(text)
 
     # -- running --------------------------------------------------------------
     def run(self, steps: int | None = None) -> list[dict[str, Any]]:
@@ -418,26 +341,34 @@ class MemoryDashboard(WidgetView):
         steps = self.steps.value if steps is None else integer(steps, "steps", least=1,
                                                                  where="MemoryDashboard.run")
         if not self._run_lock.acquire(blocking=False):
-            self._say("A run is in progress; this request was ignored. Press Run again when it ends.")
+            self._say("A run is in progress; this request was ignored. Press Run again when it "
+                      "ends.")
             return []
         self.run_button.disabled = True
         try:
             return self._run_locked(steps)
         finally:
+            if self._applied is not None:
+                self._applied.checkpointing = OFF   # the model leaves a run as it came
             self.run_button.disabled = False
             self._run_lock.release()
 
     def _run_locked(self, steps: int) -> list[dict[str, Any]]:
         settings = self._settings()
         if settings["batch"] < 1:
-            self._say("Batch is 0: a training step needs at least one sequence. Move the batch slider up.")
+            self._say("Batch is 0: a training step needs at least one sequence. Move the batch "
+                      "slider up.")
             return []
         if settings["schedule"] in self.unsupported:
             self._say(self._not_implemented(settings["schedule"]))
             return []
         self._say("")
         model = self._model_for(settings["depth"])
-        batch = model.example_batch(batch=settings["batch"])
+        try:
+            batch = model.example_batch(batch=settings["batch"])
+        except (RuntimeError, MemoryError) as error:
+            self._say(self._explain(error, settings))
+            return []
         # Off is timed beside the current setting when it is known to fit at this depth and batch.
         reference = self.bars_data(settings["depth"], settings["batch"]).get(OFF)
         time_off = settings["checkpointing"] and reference is not None and "peak_bytes" in reference
@@ -446,10 +377,10 @@ class MemoryDashboard(WidgetView):
         for _ in range(steps):
             try:
                 record, timeline = self._step(model, batch, settings, warm, time_off)
-            except _OverLimit as error:
+            except OverLimit as error:
                 self._record_failure(error, settings)
                 break
-            except _RanAsPlain:
+            except RanAsPlain:
                 self._say(self._not_implemented(settings["schedule"]))
                 break
             except (RuntimeError, MemoryError) as error:
@@ -463,115 +394,67 @@ class MemoryDashboard(WidgetView):
             self._show(record)
         return records
 
-    def _model_for(self, depth: int) -> torch.nn.Module:
+    def _model_for(self, depth: int) -> Any:
         if self._model is None or (self._own_model and len(self._model.blocks) != depth):
             self._model = None  # let the old model go before building the next one
             self._model = TinyTransformer(depth=depth).to(self.device)
         return self._model
 
-    def _step(self, model: torch.nn.Module, batch: Any, settings: dict[str, Any], warm: bool,
+    def _step(self, model: Any, batch: Any, settings: dict[str, Any], warm: bool,
               time_off: bool) -> tuple[dict[str, Any], list[TimelineEntry]]:
-        limit = self.memory_limit_bytes
-        timeline: list[TimelineEntry] = []
-        watch_torch = settings["schedule"] == "per block (torch)"
         value = self._schedules[settings["schedule"]](settings["depth"])
-
-        def on_op(entry: TimelineEntry) -> None:
-            if watch_torch and entry.phase == "backward" and _torch_recomputing():
-                entry = entry._replace(phase="recompute")
-            timeline.append(entry)
-            if entry.live_bytes > limit:
-                raise _OverLimit(entry)
-
-        model.checkpointing = value
-        try:
-            with MemoryMeter(self.device, on_op=on_op) as meter:
-                loss = model.training_step(batch)
-        except _OverLimit as error:
-            error.timeline = timeline
-            raise
+        report, timeline, loss = measure_step(model, batch, value, self.device,
+                                              self.memory_limit_bytes,
+                                              watch_torch=settings["schedule"] == TORCH)
         if self._ran_as_plain(value, settings, timeline):
-            raise _RanAsPlain(settings["schedule"])
-        report = meter.report()
-        times = self._time(model, batch, value, time_off, warm)
+            raise RanAsPlain(settings["schedule"])
+        times = time_steps(model, batch, value, self.timer, time_off, warm)
         step_times = times["current"]
-        record = {**settings, "peak_bytes": report.peak_bytes, "step_s": statistics.median(step_times),
+        record = {**settings, "peak_bytes": report.peak_bytes,
+                  "step_s": statistics.median(step_times),
                   "step_s_range": (min(step_times), max(step_times)), "step_times_s": step_times,
                   "off_times_s": times.get(OFF), "loss": loss, "device": self.device.type}
         return record, timeline
 
-    def _time(self, model: torch.nn.Module, batch: Any, value: Checkpointing, time_off: bool,
-              warm: bool) -> dict[str, list[float]]:
-        """:data:`TIMED_STEPS` bare steps of the current setting and, with ``time_off``, as many of
-        checkpointing off, in turns; after a warm-up of each unless this run had it."""
-        def run_with(checkpointing: Checkpointing) -> Callable[[], float]:
-            def timed() -> float:
-                model.checkpointing = checkpointing
-                return self.timer(model, batch)
-            return timed
-
-        runs = {"current": run_with(value)}
-        if time_off:
-            runs[OFF] = run_with("none")
-        try:
-            return interleaved(runs, TIMED_STEPS, warm_up=not warm)
-        finally:
-            model.checkpointing = value
-
-    def _ran_as_plain(self, value: Checkpointing, settings: dict[str, Any], timeline: list[TimelineEntry]) -> bool:
+    def _ran_as_plain(self, value: Checkpointing, settings: dict[str, Any],
+                      timeline: list[TimelineEntry]) -> bool:
         """A model of the learner's own that recomputed nothing where a demo model would have."""
-        if self._own_model or isinstance(self._model, (TinyTransformer, MLPChain)):
+        if self._own_model or knows_its_schedules(self._model):
             return False
-        if settings["schedule"] == "per block (torch)" and _top_hooks is None:
+        if settings["schedule"] == TORCH and TOP_HOOKS is None:
             return False   # this torch hides its rerun: nothing to conclude
-        if not _recomputes(value, settings["depth"]) or any(entry.phase == "recompute" for entry in timeline):
+        if (not recomputes(value, settings["depth"])
+                or any(entry.phase == "recompute" for entry in timeline)):
             return False
-        self._mark_unsupported(settings["schedule"], "its step recomputed nothing in backward: the model's "
-                                                     "checkpointing switch accepts the value but runs plain")
+        self._mark_unsupported(settings["schedule"], "its step recomputed nothing in backward: "
+                                                     "the model's checkpointing switch accepts the "
+                                                     "value but runs plain")
         return True
 
     def _not_implemented(self, schedule: str) -> str:
-        runs = ", ".join(label for label in self._schedules if label not in self.unsupported and label != OFF)
-        return (f"{type(self._model).__name__} does not implement the schedule {schedule!r}: "
-                f"{self.unsupported[schedule]}. Its step would be plain autograd and read as \"0% less "
-                f"memory\", so nothing was recorded. Pick a schedule it runs ({runs or 'none'}), or make its "
-                "checkpointing switch implement this one (ckptlib.models.run_blocks shows how).")
+        runs = [label for label in self._schedules
+                if label not in self.unsupported and label != OFF]
+        return not_implemented(type(self._model).__name__, schedule, self.unsupported[schedule],
+                               runs)
 
-    def _record_failure(self, error: _OverLimit, settings: dict[str, Any]) -> None:
-        failure = {**settings, "stopped_bytes": error.entry.live_bytes, "limit_bytes": self.memory_limit_bytes,
+    def _record_failure(self, error: OverLimit, settings: dict[str, Any]) -> None:
+        failure = {**settings, "stopped_bytes": error.entry.live_bytes,
+                   "limit_bytes": self.memory_limit_bytes,
                    "op": f"op #{error.entry.index} ({error.entry.op}, {error.entry.phase})",
                    "timeline": error.timeline}
         self.failures.append(failure)
         self._outcomes.append(failure)
         self.timeline_data = error.timeline
         self._say(self._explain(error, settings))
-        self._say_readout(f"{self._settings_label(settings)}: did not fit, stopped at "
-                          f"{failure['stopped_bytes'] / MiB:.2f} MiB, above the "
-                          f"{self.memory_limit_bytes / MiB:.0f} MiB limit")
+        self._say_readout(did_not_fit(failure))
         self._draw(failure)
-        self.plot.value = png_bytes(self._figure)
-
-    def _advice(self, settings: dict[str, Any]) -> str:
-        """What to change when a step does not fit: depends on what is already on."""
-        if not settings["checkpointing"]:
-            return "Turn checkpointing on, or lower the batch or the depth."
-        fewest = REVOLVE if REVOLVE not in self.unsupported else None
-        if settings["schedule"] == REVOLVE or fewest is None:
-            return (f"Checkpointing is already on ({settings['schedule']}) and keeps the fewest block inputs "
-                    "of the menu: lower the batch or the depth.")
-        return (f"Checkpointing is already on ({settings['schedule']}): pick {fewest}, which keeps at most "
-                f"{REVOLVE_SLOTS} block inputs and recomputes more, or lower the batch or the depth.")
 
     def _explain(self, error: BaseException, settings: dict[str, Any]) -> str:
-        where = self._settings_label(settings)
-        if isinstance(error, _OverLimit):
-            return (f"Does not fit ({where}): {error}, above the {self.memory_limit_bytes / MiB:.0f} MiB "
-                    f"limit. {self._advice(settings)}")
         if isinstance(error, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
-            return f"Out of device memory ({where}). {self._advice(settings)}"
-        lines = str(error).strip().splitlines()
-        return f"The step failed ({where}): {type(error).__name__}: {lines[0] if lines else ''}"
+        offered = REVOLVE in self._schedules and REVOLVE not in self.unsupported
+        what_to_do = advice(settings, REVOLVE if offered else None, REVOLVE_SLOTS)
+        return explanation(error, settings, self.memory_limit_bytes, what_to_do)
 
     # -- what the plot shows ------------------------------------------------------
     @property
@@ -579,7 +462,7 @@ class MemoryDashboard(WidgetView):
         """Settings label -> peak bytes of its latest step, the most recently run setting last."""
         peaks: dict[str, int] = {}
         for record in self.history:
-            label = self._settings_label(record)
+            label = settings_label(record)
             peaks.pop(label, None)
             peaks[label] = record["peak_bytes"]
         return peaks
@@ -587,132 +470,21 @@ class MemoryDashboard(WidgetView):
     def bars_data(self, depth: int, batch: int) -> dict[str, dict[str, Any]]:
         """Schedule -> its latest outcome at this depth and batch (a ``history`` record, or a
         ``failures`` entry for a step that did not fit), in the order of the schedule menu."""
-        latest = {o["schedule"]: o for o in self._outcomes if (o["depth"], o["batch"]) == (depth, batch)}
+        latest = {o["schedule"]: o for o in self._outcomes
+                  if (o["depth"], o["batch"]) == (depth, batch)}
         return {schedule: latest[schedule] for schedule in self._schedules if schedule in latest}
 
     def _reference(self, record: dict[str, Any]) -> dict[str, Any] | None:
-        """The latest outcome with checkpointing off at the same depth and batch (it may not have fit)."""
+        """The latest outcome with checkpointing off at the same depth and batch (it may not
+        have fit)."""
         return self.bars_data(record["depth"], record["batch"]).get(OFF)
 
-    def _readout_for(self, record: dict[str, Any]) -> str:
-        text = (f"step {len(self.history)} · {self._settings_label(record)}: "
-                f"peak {record['peak_bytes'] / MiB:.2f} MiB, {times_text(record['step_times_s'])}")
-        reference = self._reference(record)
-        if record["checkpointing"] and reference is not None and "peak_bytes" in reference:
-            saving = 1 - record["peak_bytes"] / reference["peak_bytes"]
-            text += f" | vs off: {reference['peak_bytes'] / MiB:.2f} MiB, {saving:.0%} less memory"
-            if record["off_times_s"] is not None:
-                text += (f", {ratio_text(record['step_times_s'], record['off_times_s'], 'off')} "
-                         f"(off timed in turns with it: {times_text(record['off_times_s'])})")
-        elif record["checkpointing"] and reference is not None:
-            text += (f" | vs off: off did not fit (stopped at {reference['stopped_bytes'] / MiB:.2f} MiB, "
-                     f"limit {reference['limit_bytes'] / MiB:.0f} MiB); this fits")
-        elif record["checkpointing"]:
-            text += " | run once with checkpointing off to compare"
-        return text
-
     def _show(self, record: dict[str, Any]) -> None:
-        self._say_readout(self._readout_for(record))
+        self._say_readout(readout(len(self.history), record, self._reference(record)))
         self._draw(record)
-        self.plot.value = png_bytes(self._figure)
-
-    def _axes(self) -> tuple[Any, Any]:
-        self._figure.clear()
-        # Fixed rectangles: a layout engine would cost as much as the drawing itself. The bars
-        # are horizontal so that their names, one per line, can never overlap; the left edge of
-        # the bars leaves room for the longest schedule name at FONT_PT.
-        return (self._figure.add_axes((0.085, 0.15, 0.42, 0.67)),
-                self._figure.add_axes((0.76, 0.15, 0.215, 0.67)))
-
-    @staticmethod
-    def _style(axes: Any) -> None:
-        axes.tick_params(labelsize=FONT_PT)
-        axes.xaxis.label.set_fontsize(FONT_PT)
-        axes.yaxis.label.set_fontsize(FONT_PT)
-        axes.title.set_fontsize(FONT_PT + 1)
-        for text in axes.texts:
-            text.set_fontsize(FONT_PT)
-
-    def _draw_placeholder(self) -> None:
-        timeline_axes, peaks_axes = self._axes()
-        timeline_axes.set(xlabel="op index in the step", ylabel="live memory (MiB)",
-                          title="One training step, op by op")
-        timeline_axes.text(0.5, 0.5, "Press Run: the live memory of one step appears here,\n"
-                           "coloured by phase (forward, backward, recompute).", ha="center", va="center",
-                           transform=timeline_axes.transAxes, color=palette.MUTED, family=palette.FONT_FAMILY)
-        timeline_axes.set(xticks=[], yticks=[])
-        peaks_axes.set(title="Peak per schedule", xlabel="peak (MiB)", xticks=[], yticks=[])
-        peaks_axes.text(0.5, 0.5, "one bar\nper schedule", ha="center", va="center",
-                        transform=peaks_axes.transAxes, color=palette.MUTED, family=palette.FONT_FAMILY)
-        for axes in (timeline_axes, peaks_axes):
-            self._style(axes)
-        self.plot.value = png_bytes(self._figure)
 
     def _draw(self, outcome: dict[str, Any]) -> None:
-        timeline_axes, peaks_axes = self._axes()
-        fits = "peak_bytes" in outcome
-        entries = self.timeline_data
-        index = [entry.index for entry in entries]
-        live_mib = [entry.live_bytes / MiB for entry in entries]
-        for phase, colour in palette.PHASES.items():
-            in_phase = [entry.phase == phase for entry in entries]
-            if any(in_phase):
-                timeline_axes.fill_between(index, live_mib, where=in_phase, step="post", color=colour,
-                                           linewidth=0, label=phase)
-        limit_mib = self.memory_limit_bytes / MiB
-        top = max(live_mib, default=0)
-        limit_off_chart = math.isfinite(limit_mib) and limit_mib > LIMIT_SHOWN * top
-        limit_label = f"limit {limit_mib:.0f} MiB"
-        if math.isfinite(limit_mib) and not limit_off_chart:
-            timeline_axes.axhline(limit_mib, color=palette.LIMIT, linestyle="--", linewidth=1.5, label=limit_label)
-            top = max(top, limit_mib)
-        if not fits:
-            timeline_axes.plot(index[-1:], live_mib[-1:], "x", color=palette.LIMIT, markersize=10, mew=2.5,
-                               label="stopped: did not fit")
-        timeline_axes.set_ylim(0, top * 1.5 or 1)   # headroom for the legend above the curve
-        title = (f"peak {outcome['peak_bytes'] / MiB:.2f} MiB" if fits else
-                 f"did not fit, stopped at op #{index[-1]}")
-        timeline_axes.set(xlabel="op index in the step", ylabel="live memory (MiB)",
-                          title=f"One step: {title}\n{self._settings_label(outcome)}")
-        handles, labels = timeline_axes.get_legend_handles_labels()
-        if limit_off_chart:
-            # The limit is far above the curve: not drawn, but its legend entry keeps its colour sample.
-            handles.append(Line2D([], [], color=palette.LIMIT, linestyle="--", linewidth=1.5,
-                                  label=f"{limit_label} (off scale)"))
-        if outcome["schedule"] == "per block (torch)" and _top_hooks is None:
-            handles.append(Patch(color="none", label="torch's rerun: not told apart from backward"))
-        timeline_axes.legend(handles=handles, loc="upper left", fontsize=FONT_PT, ncols=2, frameon=False,
-                             handlelength=1.5, columnspacing=1.0, borderaxespad=0.3)
-        self._draw_bars(peaks_axes, outcome)
-        for axes in (timeline_axes, peaks_axes):
-            self._style(axes)
-
-    def _draw_bars(self, axes: Any, outcome: dict[str, Any]) -> None:
-        bars = self.bars_data(outcome["depth"], outcome["batch"])
-        names = list(bars)
-        values = [(o["peak_bytes"] if "peak_bytes" in o else o["stopped_bytes"]) / MiB for o in bars.values()]
-        colours = [palette.HIGHLIGHT if name == outcome["schedule"] else palette.MUTED for name in names]
-        drawn = axes.barh(range(len(names)), values, color=colours, height=0.7)
-        for bar, result in zip(drawn, bars.values()):
-            if "peak_bytes" not in result:
-                bar.set_hatch("///")
-                bar.set_facecolor("white")
-                bar.set_edgecolor(palette.HIGHLIGHT if result is outcome else palette.MUTED)
-        limit_mib = self.memory_limit_bytes / MiB
-        limit_drawn = math.isfinite(limit_mib) and limit_mib <= LIMIT_SHOWN * max(values, default=0)
-        # The numbers stand in one column right of every bar and of the limit line, so that no
-        # label ("did not fit" least of all) can sit on the line.
-        column = max(values + ([limit_mib] if limit_drawn else []), default=1) * 1.07
-        for row, (value, result) in enumerate(zip(values, bars.values())):
-            axes.text(column, row, f"{value:.1f}" if "peak_bytes" in result else "did not fit",
-                      va="center", ha="left", color=palette.LIMIT if "peak_bytes" not in result else "black")
-        # Room right of the column for its widest entry: "did not fit" is longer than a number.
-        axes.set_xlim(0, column * (1.95 if any("peak_bytes" not in o for o in bars.values()) else 1.45))
-        if limit_drawn:
-            axes.axvline(limit_mib, color=palette.LIMIT, linestyle="--", linewidth=1.5)
-            axes.text(limit_mib, -0.8, "limit", color=palette.LIMIT, ha="center", va="center",
-                      bbox=dict(facecolor="white", edgecolor="none", pad=0.5))
-        axes.set_yticks(range(len(names)), names)
-        axes.set_ylim(len(names) - 0.5, -1.15)   # top to bottom, in menu order, room for "limit" above
-        axes.set(xlabel="peak (MiB)")
-        axes.set_title(f"Peak per schedule\ndepth {outcome['depth']}, batch {outcome['batch']}")
+        draw(self._figure, outcome, self.timeline_data,
+             self.bars_data(outcome["depth"], outcome["batch"]), self.memory_limit_bytes,
+             settings_label(outcome))
+        self.plot.value = png_bytes(self._figure)

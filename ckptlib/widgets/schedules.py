@@ -1,4 +1,5 @@
-"""Explore checkpointing schedules for a chain of layers: each plan's picture, measured beside its theory.
+"""Explore checkpointing schedules for a chain of layers: each plan's picture, measured beside
+its theory.
 
 Design notes
 ============
@@ -34,86 +35,43 @@ values while the old plan is still on screen reads as if the new one had been me
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import io
+from typing import Any
 
 import ipywidgets as widgets
-import numpy as np
-from matplotlib.colors import ListedColormap
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
-from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from ckptlib.memory import format_bytes, measure
 from ckptlib.models import MLPChain
 from ckptlib import palette
-from ckptlib.schedules import LayerCost, Plan, Segment, plan_for_budget, recursive, revolve, sqrt_n, uniform
-from ckptlib.schedules.budget import _least_memory_plan
+from ckptlib.schedules import LayerCost, Plan
+from ckptlib.schedules.budget import least_memory_plan
+from ckptlib.schedules.registry import Schedule, registered
 from ckptlib.sequential import measure_layer_costs
-from ckptlib.widgets._view import WidgetView, png_bytes
+from ckptlib.widgets._schedule_pictures import (
+    PICTURE_PX, TRADEOFF_PX, ExplorerPictures, schedule_picture)
+from ckptlib.widgets._view import WidgetView
 
-__all__ = ["ScheduleExplorer", "SCHEDULES", "schedule_picture"]
-
-# schedule -> (what its parameter is, default value); None: the schedule takes no parameter
-SCHEDULES: dict[str, tuple[str, int] | None] = {
-    "none": None,
-    "uniform": ("k segments", 4),
-    "sqrt(n)": None,
-    "recursive": None,
-    "revolve": ("s slots", 3),
-    "budget": ("budget %", 50),
-}
-_MARKERS = {"none": "s", "uniform": "^", "sqrt(n)": "D", "recursive": "v", "revolve": "o", "budget": "P"}
+# SCHEDULES: served by __getattr__ below, from the schedule registry
+__all__ = ["ScheduleExplorer", "SCHEDULES", "schedule_picture"]  # noqa: F822
 
 
-# What a cell of the schedule picture shows, in the order of its value.
-# The palette's colours: kept memory green (a checkpoint, an activation kept for backward, paler),
-# forward blue (grey when it keeps nothing), backward orange.
-_PICTURE_KINDS = (("nothing", "white"), ("checkpoint held", palette.SAVED),
-                  ("recorded, kept for backward", "#B5DBBE"), ("forward, keep nothing", "#BDBDBD"),
-                  ("forward, record", palette.FORWARD), ("backward", palette.BACKWARD))
+def __getattr__(name: str) -> object:
+    # SCHEDULES, the explorer's menu: schedule -> (what its parameter is, default value), None
+    # for a schedule without one. Read from ckptlib.schedules.registry when asked for, so a
+    # schedule registered there later is in it too.
+    if name == "SCHEDULES":
+        return {schedule.name: None if schedule.parameter is None else
+                (schedule.parameter.name, schedule.parameter.default)
+                for schedule in registered("explorer")}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 CURVE_MAX_CALLS_PER_LAYER = 8
-_PICTURE_PX = (480, 300)    # the schedule picture's size on screen
-_TRADEOFF_PX = (340, 320)   # the trade-off curve's
-_TEXT = {"family": palette.FONT_FAMILY}
-_PICTURE_COLOURS = ListedColormap([colour for _, colour in _PICTURE_KINDS])
-
-
-def schedule_picture(plan: Plan) -> np.ndarray:
-    """The classic picture of a schedule as a ``layers x time`` array of :data:`_PICTURE_KINDS` values.
-
-    One column per layer step (a forward or a backward of one layer), in the order of
-    ``plan.actions``: the layer that runs, over the checkpoints held (row i: ``x_i``) and
-    the layers recorded and not yet reversed at that moment.
-
-    >>> schedule_picture(Plan([Segment(0, 2), 2]))     # checkpoint layers 0-1, record layer 2
-    array([[3, 1, 1, 1, 4, 2, 2, 5],
-           [0, 3, 0, 0, 0, 4, 5, 0],
-           [0, 0, 4, 5, 0, 0, 0, 0]], dtype=int8)
-    """
-    columns = []
-
-    def column(layer: int, kind: int, checkpoints: Iterable[int], recorded: Iterable[int]) -> None:
-        cells = np.zeros(plan.n, dtype=np.int8)
-        cells[sorted(recorded)] = 2
-        cells[sorted(checkpoints)] = 1
-        cells[layer] = kind
-        columns.append(cells)
-
-    checkpoints, recorded = frozenset(), frozenset()   # the state before each action
-    for action, after in zip(plan.actions, plan.states()):
-        if action.op == "forward":   # layer by layer: each one's input recorded once it has run
-            for layer in range(action.start, action.stop):
-                column(layer, 4 if action.keep else 3, checkpoints,
-                       recorded | set(range(action.start, layer)) if action.keep else recorded)
-        elif action.op == "backward":   # in reverse: each layer's record released as it runs
-            for layer in reversed(range(action.start, action.stop)):
-                column(layer, 5, checkpoints, recorded - set(range(layer, action.stop)))
-        checkpoints, recorded = after
-    return np.stack(columns, axis=1)
 
 
 def _calls_per_layer(plan: Plan) -> list[int]:
-    """How often the plan calls each layer's forward in one training step (first forward included)."""
+    """How often the plan calls each layer's forward in one training step (first forward
+    included)."""
     calls = [0] * plan.n
     for action in plan.actions:
         if action.op == "forward":
@@ -127,7 +85,8 @@ class ScheduleExplorer(WidgetView):
 
     Args:
         n: initial chain length (blocks of an ``MLPChain``).
-        schedule: initial schedule, one of :data:`SCHEDULES`.
+        schedule: initial schedule, one of :data:`SCHEDULES` (the schedules of
+            ``ckptlib.schedules.registry`` that make a plan, read at construction).
         width, batch: the chain's width and batch (activations should outweigh weights).
         max_n: the n slider's range.
 
@@ -140,7 +99,8 @@ class ScheduleExplorer(WidgetView):
             (its name), ``"n"``, ``"schedule"``, ``"parameter"`` (``None`` when unused),
             ``"peak_bytes"`` (the step's peak, measured), ``"forward_calls"`` (counted),
             ``"theory_forward_calls"``, ``"forward_calls_per_layer"`` and
-            ``"theory_forward_calls_per_layer"`` (lists, layer 0 first), ``"forward_steps"`` (forwards that keep nothing),
+            ``"theory_forward_calls_per_layer"`` (lists, layer 0 first), ``"forward_steps"``
+            (forwards that keep nothing),
             ``"peak_checkpoints"``, ``"theory_peak_activations"`` and
             ``"theory_peak_bytes"`` (the activations the plan keeps at worst).
         curve: the trade-off curve at this n: one dict per plan of the family, with
@@ -151,7 +111,8 @@ class ScheduleExplorer(WidgetView):
     >>> explorer = ScheduleExplorer(n=8)
     >>> explorer.schedule.value = "revolve"
     >>> explorer.parameter.value = 2
-    >>> explorer.result["plan"], explorer.result["forward_calls"], explorer.result["theory_forward_calls"]
+    >>> result = explorer.result
+    >>> result["plan"], result["forward_calls"], result["theory_forward_calls"]
     ('revolve(8, slots=2)', 22, 22)
     >>> explorer.schedule.value = "sqrt(n)"
     >>> explorer.parameter.disabled
@@ -160,8 +121,10 @@ class ScheduleExplorer(WidgetView):
 
     def __init__(self, n: int = 16, schedule: str = "revolve", *, width: int = 32, batch: int = 128,
                  max_n: int = 64) -> None:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r} is not one of {', '.join(map(repr, SCHEDULES))}.")
+        self._schedules: dict[str, Schedule] = {s.name: s for s in registered("explorer")}
+        if schedule not in self._schedules:
+            raise ValueError(f"schedule={schedule!r} is not one of "
+                             f"{', '.join(map(repr, self._schedules))}.")
         if not (isinstance(n, int) and isinstance(max_n, int) and 2 <= n <= max_n):
             raise ValueError(f"need integers 2 <= n <= max_n, got n={n!r}, max_n={max_n!r}.")
         self.width, self.batch_size = width, batch
@@ -172,31 +135,34 @@ class ScheduleExplorer(WidgetView):
         self.result: dict[str, Any] = {}
         self.curve: list[dict[str, Any]] = []
 
-        self.schedule = widgets.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule")
-        self.n = widgets.IntSlider(value=n, min=2, max=max_n, description="n layers", continuous_update=False)
+        self.schedule = widgets.Dropdown(options=list(self._schedules), value=schedule,
+                                         description="schedule")
+        self.n = widgets.IntSlider(value=n, min=2, max=max_n, description="n layers",
+                                   continuous_update=False)
         self.parameter = self._slider(1, 2, 1, 1, "parameter")
         self.readout = widgets.HTML(layout=widgets.Layout(min_width="0"))
         self.message = widgets.HTML(layout=widgets.Layout(min_width="0"))
         # Two pictures side by side on a wide page, one above the other on a narrow one; each drawn
         # at twice the pixels it takes on screen.
-        self.plot = widgets.Image(format="png", layout=widgets.Layout(width="100%", max_width=f"{_PICTURE_PX[0]}px"))
+        self.plot = widgets.Image(format="png", layout=widgets.Layout(
+            width="100%", max_width=f"{PICTURE_PX[0]}px"))
         self.tradeoff_plot = widgets.Image(format="png", layout=widgets.Layout(
-            width="100%", max_width=f"{_TRADEOFF_PX[0]}px"))
-        self.plots = widgets.HBox([self.plot, self.tradeoff_plot], layout=widgets.Layout(flex_flow="row wrap"))
+            width="100%", max_width=f"{TRADEOFF_PX[0]}px"))
+        wrap = dict(flex_flow="row wrap")
+        self.plots = widgets.HBox([self.plot, self.tradeoff_plot], layout=widgets.Layout(**wrap))
         for name, widget in (("schedule", self.schedule), ("n", self.n),
-                             ("readout", self.readout), ("message", self.message), ("plot", self.plot),
-                             ("tradeoff", self.tradeoff_plot)):
+                             ("readout", self.readout), ("message", self.message),
+                             ("plot", self.plot), ("tradeoff", self.tradeoff_plot)):
             widget.add_class(f"ckptlib-explorer-{name}")  # stable handles for the browser test
         self._adjusting = False
         self._fit_parameter(default=True)
         self.schedule.observe(lambda _change: self._changed(schedule_changed=True), names="value")
         self.n.observe(lambda _change: self._changed(), names="value")
-        self.controls = widgets.HBox([self.schedule, self.n, self.parameter], layout=widgets.Layout(flex_flow="row wrap"))
-        self.widget = widgets.VBox([self.controls,
-                                    self.message, self.readout, self.plots], layout=widgets.Layout(max_width="1000px"))
-        self._figure = Figure(figsize=(_PICTURE_PX[0] / 80, _PICTURE_PX[1] / 80), dpi=80)
-        self._tradeoff_figure = Figure(figsize=(_TRADEOFF_PX[0] / 80, _TRADEOFF_PX[1] / 80), dpi=80)
-        self._drawn_n: int | None = None
+        self.controls = widgets.HBox([self.schedule, self.n, self.parameter],
+                                     layout=widgets.Layout(**wrap))
+        self.widget = widgets.VBox([self.controls, self.message, self.readout, self.plots],
+                                   layout=widgets.Layout(max_width="1000px"))
+        self._pictures = ExplorerPictures()
         self.update()
 
     def _text(self) -> str:
@@ -206,10 +172,11 @@ class ScheduleExplorer(WidgetView):
         """The plan's picture beside the trade-off curve, for front ends without the widget."""
         if not self.result.get("plan"):
             return None
-        from PIL import Image   # matplotlib depends on Pillow
-        import io
-        left, right = (Image.open(io.BytesIO(bytes(image.value))) for image in (self.plot, self.tradeoff_plot))
-        both = Image.new("RGBA", (left.width + right.width, max(left.height, right.height)), "white")
+        from PIL import Image   # matplotlib depends on Pillow; imported when a picture is asked for
+        left, right = (Image.open(io.BytesIO(bytes(image.value)))
+                       for image in (self.plot, self.tradeoff_plot))
+        both = Image.new("RGBA", (left.width + right.width, max(left.height, right.height)),
+                         "white")
         both.paste(left, (0, 0))
         both.paste(right, (left.width, 0))
         buffer = io.BytesIO()
@@ -219,25 +186,25 @@ class ScheduleExplorer(WidgetView):
     # -- controls ---------------------------------------------------------------
     def _fit_parameter(self, default: bool) -> None:
         """Range, meaning and value of the parameter slider for the current schedule and n."""
-        what = SCHEDULES[self.schedule.value]
+        what = self._schedules[self.schedule.value].parameter
         n = self.n.value
         self._adjusting = True
         try:
             if what is None:
-                # No number beside a disabled slider: a leftover "19" after Revolve reads as a setting.
+                # No number beside a disabled slider: a leftover "19" after Revolve reads as a
+                # setting.
                 self.parameter.disabled, self.parameter.description = True, "(no parameter)"
                 self.parameter.readout = False
                 return
-            name, value = what
-            low, high, step = {"k segments": (1, n, 1), "s slots": (1, max(1, n - 1), 1),
-                               "budget %": (5, 100, 5)}[name]
-            value = min(max(value if default else self.parameter.value, low), high)
+            name, (low, high, step) = what.name, what.bounds(n)
+            value = min(max(what.default if default else self.parameter.value, low), high)
             if (self.parameter.min, self.parameter.max, self.parameter.step) != (low, high, step):
                 # A new range gets a new slider: the browser's slider keeps its first range for the
                 # End and Home keys (End stopped at the old maximum), however the range is updated.
                 self._replace_parameter(self._slider(low, high, step, value, name))
             self.parameter.value = value
-            self.parameter.disabled, self.parameter.description, self.parameter.readout = False, name, True
+            self.parameter.disabled, self.parameter.description = False, name
+            self.parameter.readout = True
         finally:
             self._adjusting = False
 
@@ -251,7 +218,8 @@ class ScheduleExplorer(WidgetView):
     def _replace_parameter(self, slider: widgets.IntSlider) -> None:
         old, self.parameter = self.parameter, slider
         if hasattr(self, "controls"):
-            self.controls.children = tuple(slider if child is old else child for child in self.controls.children)
+            self.controls.children = tuple(slider if child is old else child
+                                           for child in self.controls.children)
         old.close()
 
     def _changed(self, schedule_changed: bool = False) -> None:
@@ -270,40 +238,28 @@ class ScheduleExplorer(WidgetView):
             batch = model.example_batch(batch=self.batch_size)
             calls = [0] * n      # forward calls per layer, counted by pre-hooks
             for layer, block in enumerate(model.blocks):
-                block.register_forward_pre_hook(lambda _module, _args, layer=layer: calls.__setitem__(
-                    layer, calls[layer] + 1))
-            costs = [cost._replace(forward_s=1.0) for cost in measure_layer_costs(model.blocks, batch[0])]
+                block.register_forward_pre_hook(
+                    lambda _module, _args, layer=layer: calls.__setitem__(layer, calls[layer] + 1))
+            costs = [cost._replace(forward_s=1.0)
+                     for cost in measure_layer_costs(model.blocks, batch[0])]
             self._chain = (n, model, batch, calls, costs)
         return self._chain[1:]
 
     def plan_for(self, schedule: str, n: int, parameter: int | None) -> Plan:
-        """The plan a setting makes (``"none"``: every layer recorded, a plan without checkpoints)."""
+        """The plan a setting makes (``"none"``: every layer recorded, a plan without
+        checkpoints)."""
         key = (schedule, n, parameter)
         if key not in self._plans:
             self._plans[key] = self._make_plan(schedule, n, parameter)
         return self._plans[key]
 
     def _make_plan(self, schedule: str, n: int, parameter: int | None) -> Plan:
-        if schedule == "none":
-            return Plan(list(range(n)), name="none")
-        if schedule == "uniform":
-            return uniform(n, parameter)
-        if schedule == "sqrt(n)":
-            return sqrt_n(n)
-        if schedule == "recursive":
-            return recursive(n)
-        if schedule == "revolve":
-            return revolve(n, parameter)
-        costs = self._chain_for(n)[3]
-        # Whole bytes: with an integer budget plan_for_budget's memory grid is exact, so 100 % is
-        # the plain chain (a float budget rounds the layers' sizes up and would miss it).
-        budget = parameter * sum(cost.saved_bytes for cost in costs) // 100
-        plan = plan_for_budget(costs, budget)
-        plan.name = f"plan_for_budget({parameter}% = {format_bytes(budget)})"
-        return plan
+        made = self._schedules[schedule]
+        return made.make(n, parameter, self._chain_for(n)[3] if made.needs_costs else None)
 
     def measure_plan(self, plan: Plan) -> tuple[int, tuple[int, ...]]:
-        """(peak bytes, forward calls of each layer) of one training step running ``plan`` (cached)."""
+        """(peak bytes, forward calls of each layer) of one training step running ``plan``
+        (cached)."""
         key = (plan.n, plan.body)
         if key not in self._measured:
             model, batch, calls, _ = self._chain_for(plan.n)
@@ -315,10 +271,8 @@ class ScheduleExplorer(WidgetView):
 
     def _curve_for(self, n: int) -> list[dict[str, Any]]:
         if n not in self._curves:
-            family = [("none", None), ("sqrt(n)", None), ("recursive", None)]
-            family += [("uniform", k) for k in (2, 4, 8) if k < n]
-            family += [("revolve", s) for s in (1, 2, 4, 8) if s < n]
-            family += [("budget", percent) for percent in (25, 50)]
+            family = [(s.name, parameter) for s in self._schedules.values()
+                      for parameter in s.curve_parameters(n)]
             points = []
             for schedule, parameter in family:
                 try:
@@ -326,7 +280,8 @@ class ScheduleExplorer(WidgetView):
                 except ValueError:
                     continue  # a budget below what any plan needs at this n
                 if plan.forward_calls > CURVE_MAX_CALLS_PER_LAYER * n:
-                    continue  # the curve's far end: seconds to measure, and off the plot's interesting part
+                    # the curve's far end: seconds to measure, and off the plot's interesting part
+                    continue
                 peak, calls = self.measure_plan(plan)
                 points.append({"schedule": schedule, "parameter": parameter, "plan": plan.name,
                                "peak_bytes": peak, "forward_calls": sum(calls)})
@@ -337,7 +292,7 @@ class ScheduleExplorer(WidgetView):
     def update(self) -> None:
         """Measure (or look up) the current setting and redraw; called on every control change."""
         schedule, n = self.schedule.value, self.n.value
-        parameter = None if SCHEDULES[schedule] is None else self.parameter.value
+        parameter = None if self._schedules[schedule].parameter is None else self.parameter.value
         with self._frozen():
             try:
                 plan = self.plan_for(schedule, n, parameter)
@@ -349,15 +304,16 @@ class ScheduleExplorer(WidgetView):
         costs = self._chain_for(n)[3]
         self.result = {
             "plan": plan.name, "n": n, "schedule": schedule, "parameter": parameter,
-            "peak_bytes": peak, "forward_calls": sum(calls), "theory_forward_calls": plan.forward_calls,
-            "forward_calls_per_layer": list(calls), "theory_forward_calls_per_layer": _calls_per_layer(plan),
+            "peak_bytes": peak, "forward_calls": sum(calls),
+            "theory_forward_calls": plan.forward_calls, "forward_calls_per_layer": list(calls),
+            "theory_forward_calls_per_layer": _calls_per_layer(plan),
             "forward_steps": plan.forward_steps, "peak_checkpoints": plan.peak_slots,
-            "theory_peak_activations": plan.peak_activations, "theory_peak_bytes": int(plan.peak_bytes(costs)),
+            "theory_peak_activations": plan.peak_activations,
+            "theory_peak_bytes": int(plan.peak_bytes(costs)),
         }
         self.readout.value = self._readout()
-        self._draw(plan)
-        self.plot.value = png_bytes(self._figure, scale=2)
-        self.tradeoff_plot.value = png_bytes(self._tradeoff_figure, scale=2)
+        self.plot.value, self.tradeoff_plot.value = self._pictures.draw(
+            plan, self.result, self.curve, self._schedules.values())
         self.plots.layout.display = None
 
     def _no_plan(self, schedule: str, n: int, percent: int) -> None:
@@ -365,92 +321,47 @@ class ScheduleExplorer(WidgetView):
         plan's numbers and pictures (left on screen, they would read as this setting's)."""
         costs = self._chain_for(n)[3]
         plain = sum(cost.saved_bytes for cost in costs)
-        least = _least_memory_plan(costs)[0]
-        least_percent = next((p for p in range(5, 101, 5) if p * plain // 100 >= least), 100)
+        least = least_memory_plan(costs)[0]
+        low, high, step = self._schedules[schedule].parameter.bounds(n)
+        least_percent = next((p for p in range(low, high + 1, step) if p * plain // 100 >= least),
+                             high)
         self.result = {"plan": None, "n": n, "schedule": schedule, "parameter": percent}
         self.readout.value = ""
         self.plots.layout.display = "none"
         self.message.value = _note(
-            f"No plan for {n} layers fits a budget of {percent}% = {format_bytes(percent * plain // 100)} "
-            f"of the plain chain's {format_bytes(plain)}: the least any plan keeps is {format_bytes(least)}. "
-            f"Move the <b>budget %</b> slider to {least_percent}% or more, or pick another schedule.")
+            f"No plan for {n} layers fits a budget of {percent}% = "
+            f"{format_bytes(percent * plain // 100)} of the plain chain's {format_bytes(plain)}: "
+            f"the least any plan keeps is {format_bytes(least)}. Move the <b>budget %</b> slider "
+            f"to {least_percent}% or more, or pick another schedule.")
 
     def _readout(self) -> str:
         r = self.result
-        same = ("equal, layer by layer" if r["forward_calls_per_layer"] == r["theory_forward_calls_per_layer"]
+        same = ("equal, layer by layer"
+                if r["forward_calls_per_layer"] == r["theory_forward_calls_per_layer"]
                 else "<b>differ</b>")
         cell = "style='padding:2px 10px; text-align:left; vertical-align:top'"
         rows = [
             ("", "measured", "theory (the plan)"),
-            ("layer forward calls", f"{r['forward_calls']}", f"{r['theory_forward_calls']} ({same}; "
-             f"{r['forward_steps']} of them recompute)"),
-            ("peak memory", f"{format_bytes(r['peak_bytes'])}<br><small>the whole step: activations, "
-             "weights' gradients, tensors in flight</small>",
+            ("layer forward calls", f"{r['forward_calls']}",
+             f"{r['theory_forward_calls']} ({same}; {r['forward_steps']} of them recompute)"),
+            ("peak memory", f"{format_bytes(r['peak_bytes'])}<br><small>the whole step: "
+             "activations, weights' gradients, tensors in flight</small>",
              f"{format_bytes(r['theory_peak_bytes'])}<br><small>activations only: at worst "
-             f"{r['theory_peak_activations']} kept, {r['peak_checkpoints']} of them checkpoints, by the layers' "
-             "measured sizes; an upper bound on those, so it can exceed the step's measured peak</small>"),
+             f"{r['theory_peak_activations']} kept, {r['peak_checkpoints']} of them checkpoints, "
+             "by the layers' measured sizes; an upper bound on those, so it can exceed the "
+             "step's measured peak</small>"),
         ]
-        body = "".join("<tr>" + "".join(f"<td {cell}>{value}</td>" for value in row) + "</tr>" for row in rows)
-        return (f"<div style='font-size:13px; line-height:1.4; overflow-wrap:anywhere'><b>{r['plan']}</b>"
-                f"<table style='border-collapse:collapse; width:100%; table-layout:fixed'>"
-                f"<colgroup><col style='width:22%'><col style='width:30%'><col></colgroup>{body}</table></div>")
-
-    def _draw(self, plan: Plan) -> None:
-        # The axes, legends and the curve's points are made once per n; an update only swaps
-        # the picture's data, moves the dot and rewrites the titles (clearing and rebuilding
-        # the figures cost more than drawing them).
-        if self._drawn_n != plan.n:
-            self._build_figure()
-        image = schedule_picture(plan)
-        self._picture.set_data(image)
-        self._picture.set_extent((-0.5, image.shape[1] - 0.5, -0.5, plan.n - 0.5))
-        self._picture_axes.set_title(f"{plan.name}: {plan.forward_steps} recomputed layer forwards,\n"
-                                     f"at most {plan.peak_slots} checkpoints", fontsize=11, **_TEXT)
-        r = self.result
-        self._dot.set_offsets([[r["forward_calls"], r["peak_bytes"] / self._scale]])
-        self._tradeoff_axes.set_ylim(0, max(p["peak_bytes"] for p in self.curve + [r]) / self._scale * 1.1)
-        calls = [p["forward_calls"] for p in self.curve + [r]]
-        self._tradeoff_axes.set_xlim(min(calls) / 1.3, max(calls) * 1.3)
-
-    def _build_figure(self) -> None:
-        self._figure.clear()
-        self._tradeoff_figure.clear()
-        picture = self._figure.add_axes((0.1, 0.3, 0.87, 0.56))
-        tradeoff = self._tradeoff_figure.add_axes((0.17, 0.38, 0.78, 0.48))
-        self._picture = picture.imshow(np.zeros((1, 1)), cmap=_PICTURE_COLOURS, vmin=0, vmax=len(_PICTURE_KINDS) - 1,
-                                       origin="lower", aspect="auto", interpolation="nearest")
-        picture.set_xlabel("time (layer forward and backward steps)", fontsize=10.5, **_TEXT)
-        picture.set_ylabel("layer i (row: its input)", fontsize=10.5, **_TEXT)
-        picture.yaxis.set_major_locator(MaxNLocator(integer=True))
-        picture.tick_params(labelsize=10)
-        legend_text = {"size": 10, "family": palette.FONT_FAMILY}
-        picture.legend(handles=[Patch(facecolor=colour, edgecolor="#666666", label=label)
-                                for label, colour in _PICTURE_KINDS[1:]],
-                       loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, prop=legend_text, frameon=False,
-                       handlelength=1.2, columnspacing=1.0)
-        self._scale, unit = (2**20, "MiB") if max(p["peak_bytes"] for p in self.curve) >= 2**21 else (2**10, "KiB")
-        for schedule, marker in _MARKERS.items():
-            points = [p for p in self.curve if p["schedule"] == schedule]
-            if points:
-                tradeoff.scatter([p["forward_calls"] for p in points], [p["peak_bytes"] / self._scale for p in points],
-                                 marker=marker, color=palette.MUTED, label=schedule, zorder=2)
-        self._dot = tradeoff.scatter([1], [0], s=120, color=palette.HIGHLIGHT, zorder=3, edgecolor="white",
-                                     label="this plan")
-        tradeoff.set_xscale("log")
-        tradeoff.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
-        tradeoff.xaxis.set_major_formatter(FuncFormatter(lambda value, _position: f"{value:g}"))
-        tradeoff.xaxis.set_minor_formatter(NullFormatter())
-        tradeoff.tick_params(labelsize=10)
-        tradeoff.set_xlabel("layer forward calls per step (log)", fontsize=10.5, **_TEXT)
-        tradeoff.set_ylabel(f"step peak, measured ({unit})", fontsize=10.5, **_TEXT)
-        tradeoff.set_title(f"Memory vs compute, every schedule\nat n={self.n.value}", fontsize=11, **_TEXT)
-        tradeoff.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncols=3, prop=legend_text, frameon=False,
-                        handletextpad=0.2, columnspacing=0.8)
-        self._picture_axes, self._tradeoff_axes, self._drawn_n = picture, tradeoff, self.n.value
-
+        body = "".join("<tr>" + "".join(f"<td {cell}>{value}</td>" for value in row) + "</tr>"
+                       for row in rows)
+        return ("<div style='font-size:13px; line-height:1.4; overflow-wrap:anywhere'>"
+                f"<b>{r['plan']}</b>"
+                "<table style='border-collapse:collapse; width:100%; table-layout:fixed'>"
+                "<colgroup><col style='width:22%'><col style='width:30%'><col></colgroup>"
+                f"{body}</table></div>")
 
 class _Frozen:
-    """While a setting is measured: every control disabled and a note that says so; restored after."""
+    """While a setting is measured: every control disabled and a note that says so; restored
+    after."""
 
     def __init__(self, explorer: ScheduleExplorer) -> None:
         self.explorer = explorer
@@ -460,8 +371,9 @@ class _Frozen:
         self.controls = [(c, c.disabled) for c in (e.schedule, e.n, e.parameter)]
         for control, _ in self.controls:
             control.disabled = True
-        e.message.value = _note("Measuring this setting (a new n measures every schedule of the curve: a few "
-                                "seconds at n=64); the controls come back when it is done.", busy=True)
+        e.message.value = _note("Measuring this setting (a new n measures every schedule of the "
+                                "curve: a few seconds at n=64); the controls come back when it is "
+                                "done.", busy=True)
 
     def __exit__(self, *exc: object) -> None:
         for control, was_disabled in self.controls:
@@ -473,7 +385,7 @@ class _Frozen:
 def _note(html_text: str, busy: bool = False) -> str:
     """A message box that wraps (never one clipped line)."""
     colour = palette.MUTED if busy else palette.LIMIT
-    return (f"<div {'data-busy ' if busy else ''}style='font-size:13px; line-height:1.4; padding:6px 10px; "
-            f"margin:4px 0; border-left:4px solid {colour}; background:#F6F6F6; overflow-wrap:anywhere'>"
-            f"{html_text}</div>")
+    return (f"<div {'data-busy ' if busy else ''}style='font-size:13px; line-height:1.4; "
+            f"padding:6px 10px; margin:4px 0; border-left:4px solid {colour}; background:#F6F6F6; "
+            f"overflow-wrap:anywhere'>{html_text}</div>")
 

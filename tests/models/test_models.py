@@ -1,4 +1,5 @@
 """ckptlib.models: seeded demo models whose checkpointing switch never changes the numbers."""
+
 from __future__ import annotations
 
 import sys

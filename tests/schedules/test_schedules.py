@@ -11,11 +11,19 @@ import sys
 import pytest
 
 from ckptlib.schedules import (
-    Action, LayerCost, Plan, Segment, plan_for_budget, recursive, revolve, sqrt_n, uniform,
+    Action,
+    LayerCost,
+    Plan,
+    Segment,
+    plan_for_budget,
+    recursive,
+    revolve,
+    sqrt_n,
+    uniform,
 )
 
 
-def griewank_walther_optimum(l: int, s: int) -> int:  # noqa: E741  (l and s as in the paper)
+def griewank_walther_optimum(l: int, s: int) -> int:  # noqa: E741 (l and s: the paper's names)
     """Least advances to reverse l steps with s checkpoints: r*l - C(s+r, s+1), C(s+r, s) >= l."""
     r = 0
     while math.comb(s + r, s) < l:
@@ -73,7 +81,7 @@ def ready_made_plans() -> list[Plan]:
 
 
 def test_revolve_forward_steps_are_the_binomial_optimum():
-    for l in range(1, 81):  # noqa: E741  (l steps, as in griewank_walther_optimum)
+    for l in range(1, 81):  # noqa: E741
         for s in range(1, 7):
             plan = revolve(l, s)
             assert plan.forward_steps == griewank_walther_optimum(l, s), (l, s)
@@ -86,9 +94,15 @@ def test_revolve_counts_advances_of_the_first_sweep_and_the_input_slot():
     """l=3, s=1 (only x0 stored): advance 0-1, reverse 2; advance 0, reverse 1; reverse 0."""
     plan = revolve(3, 1)
     assert plan.actions == (
-        Action("store", 0, 1), Action("forward", 0, 2), Action("forward", 2, 3, keep=True),
-        Action("backward", 2, 3), Action("forward", 0, 1), Action("forward", 1, 2, keep=True),
-        Action("backward", 1, 2), Action("free", 0, 1), Action("forward", 0, 1, keep=True),
+        Action("store", 0, 1),
+        Action("forward", 0, 2),
+        Action("forward", 2, 3, keep=True),
+        Action("backward", 2, 3),
+        Action("forward", 0, 1),
+        Action("forward", 1, 2, keep=True),
+        Action("backward", 1, 2),
+        Action("free", 0, 1),
+        Action("forward", 0, 1, keep=True),
         Action("backward", 0, 1),
     )
     assert plan.forward_steps == 3 == griewank_walther_optimum(3, 1)
@@ -146,11 +160,11 @@ def test_recursive_keeps_log2_n_checkpoints_for_n_log_n_work():
 
     for n in range(1, 130):
         plan = recursive(n)
-        assert plan.peak_slots == n.bit_length() - 1, n          # floor(log2 n)
+        assert plan.peak_slots == n.bit_length() - 1, n  # floor(log2 n)
         assert plan.peak_activations == plan.peak_slots + 1, n
         assert plan.forward_steps == recomputed(n), n
     for k in range(1, 9):
-        assert recursive(2 ** k).forward_steps == 2 ** (k - 1) * k  # (n/2) log2 n
+        assert recursive(2**k).forward_steps == 2 ** (k - 1) * k  # (n/2) log2 n
 
 
 def test_plain_and_fully_checkpointed_extremes():
@@ -186,10 +200,16 @@ def test_actions_record_and_reverse_every_layer_once(plan):
     assert not held
     # Every layer is reversed after it was recorded, and recorded after its checkpoint came back.
     for layer in range(plan.n):
-        recorded_at = next(i for i, a in enumerate(plan.actions)
-                           if a.op == "forward" and a.keep and a.start <= layer < a.stop)
-        reversed_at = next(i for i, a in enumerate(plan.actions)
-                           if a.op == "backward" and a.start <= layer < a.stop)
+        recorded_at = next(
+            i
+            for i, a in enumerate(plan.actions)
+            if a.op == "forward" and a.keep and a.start <= layer < a.stop
+        )
+        reversed_at = next(
+            i
+            for i, a in enumerate(plan.actions)
+            if a.op == "backward" and a.start <= layer < a.stop
+        )
         assert recorded_at < reversed_at
 
 
@@ -253,20 +273,22 @@ def test_plan_for_budget_is_the_fastest_plan_that_fits():
 
 def test_plan_for_budget_extremes_and_revolve():
     costs = [LayerCost(1, 1, 1.0)] * 24
-    assert plan_for_budget(costs, 24).body == tuple(range(24))   # everything fits: plain autograd
+    assert plan_for_budget(costs, 24).body == tuple(range(24))  # everything fits: plain autograd
     for slots in (1, 2, 3, 5):
         # Revolve keeps `slots` checkpoints plus one recorded layer; the DP may also record more.
         chosen = plan_for_budget(costs, slots + 1)
         assert chosen.peak_activations <= slots + 1
         assert chosen.forward_steps <= revolve(24, slots).forward_steps
     steps = [plan_for_budget(costs, budget).forward_steps for budget in range(2, 25)]
-    assert steps == sorted(steps, reverse=True)                  # more memory never costs time
+    assert steps == sorted(steps, reverse=True)  # more memory never costs time
 
 
 def test_plan_for_budget_fits_when_sizes_need_rounding():
     generator = random.Random(3)
-    costs = [LayerCost(1000 + generator.randint(0, 999), 3001 + generator.randint(0, 9999), 1.0)
-             for _ in range(20)]
+    costs = [
+        LayerCost(1000 + generator.randint(0, 999), 3001 + generator.randint(0, 9999), 1.0)
+        for _ in range(20)
+    ]
     for budget in (4_000.5, 25_000, 60_000, 250_000):
         try:
             plan = plan_for_budget(costs, budget)
@@ -315,12 +337,18 @@ def test_hand_made_plans_must_cover_the_layers_in_order():
         Segment(3, 3)
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda: uniform(4, 5), "cannot cut 4 layers into 5 segments"),
-    (lambda: uniform(4, 0), "k \\(the number of segments\\) must be an integer >= 1"),
-    (lambda: uniform(0, 1), "n \\(the number of layers\\) must be an integer >= 1, got 0"),
-    (lambda: revolve(8, 0), "slots \\(checkpoints, x0 included\\) must be an integer >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: uniform(4, 5), "cannot cut 4 layers into 5 segments"),
+        (lambda: uniform(4, 0), "k \\(the number of segments\\) must be an integer >= 1"),
+        (lambda: uniform(0, 1), "n \\(the number of layers\\) must be an integer >= 1, got 0"),
+        (
+            lambda: revolve(8, 0),
+            "slots \\(checkpoints, x0 included\\) must be an integer >= 1, got 0",
+        ),
+    ],
+)
 def test_constructors_reject_bad_sizes(make, message):
     with pytest.raises(ValueError, match=message):
         make()
@@ -333,8 +361,10 @@ def test_constructors_reject_bad_sizes(make, message):
 
 def test_text_drawing_shows_the_state_after_each_action():
     text = str(revolve(6, 2)).splitlines()
-    assert text[0] == ("revolve(6, slots=2): 6 layers, forward_steps=8 (forward_calls=14), "
-                       "peak_slots=2, peak_activations=3")
+    assert text[0] == (
+        "revolve(6, slots=2): 6 layers, forward_steps=8 (forward_calls=14), "
+        "peak_slots=2, peak_activations=3"
+    )
     assert text[1] == "  012345"
     assert text[2] == "  o.....  store x0"
     assert text[-1] == "  <.....  backward 0"

@@ -1,5 +1,5 @@
-"""MemoryDashboard without a browser: set the controls' values, run, read history, labels and plot
-data."""
+"""MemoryDashboard without a browser: set the controls' values, run, read history, labels and
+plot data."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_run_records_each_step_and_checkpointing_lowers_the_peak(dashboard):
         assert set(record) == RECORD_KEYS
         assert (record["depth"], record["batch"], record["device"]) == (4, 4, "cpu")
         assert record["step_s"] > 0 and record["peak_bytes"] > 0
-        low, high = record["step_s_range"]        # the median of the timed runs, and their spread
+        low, high = record["step_s_range"]  # the median of the timed runs, and their spread
         assert 0 < low <= record["step_s"] <= high
     assert [r["schedule"] for r in dashboard.history] == ["none", "none", "per block"]
     assert [r["checkpointing"] for r in dashboard.history] == [False, False, True]
@@ -91,7 +91,8 @@ def test_readout_plot_and_plot_data_describe_the_latest_step(dashboard):
     dashboard.run(steps=1)
     off_peak = dashboard.history[-1]["peak_bytes"]
     assert dashboard.readout_text.startswith(
-        f"step 1 · checkpointing off, depth 4, batch 4: peak {off_peak / 2**20:.2f} MiB, ")
+        f"step 1 · checkpointing off, depth 4, batch 4: peak {off_peak / 2**20:.2f} MiB, "
+    )
     assert "vs off" not in dashboard.readout_text
     dashboard.checkpointing.value = True
     dashboard.run(steps=1)
@@ -103,8 +104,10 @@ def test_readout_plot_and_plot_data_describe_the_latest_step(dashboard):
     assert [entry.index for entry in timeline] == list(range(len(timeline)))
     assert {entry.phase for entry in timeline} == {"forward", "backward", "recompute"}
     assert max(entry.live_bytes for entry in timeline) == on_peak
-    assert dashboard.peaks_data == {"checkpointing off, depth 4, batch 4": off_peak,
-                                    "per block, depth 4, batch 4": on_peak}
+    assert dashboard.peaks_data == {
+        "checkpointing off, depth 4, batch 4": off_peak,
+        "per block, depth 4, batch 4": on_peak,
+    }
     assert bytes(dashboard.plot.value).startswith(PNG_SIGNATURE)
     assert dashboard.message_text == ""
 
@@ -184,8 +187,10 @@ def test_a_runtime_error_in_the_step_is_reported_and_the_next_run_works():
 
     model.training_step = failing_step
     assert dashboard.run(steps=3) == []
-    assert dashboard.message_text == ("The step failed (checkpointing off, depth 2, batch 2): "
-                                       "RuntimeError: CUDA error: device-side assert triggered")
+    assert dashboard.message_text == (
+        "The step failed (checkpointing off, depth 2, batch 2): "
+        "RuntimeError: CUDA error: device-side assert triggered"
+    )
     assert not dashboard.run_button.disabled
     model.training_step = step
     assert len(dashboard.run(steps=1)) == 1
@@ -279,8 +284,14 @@ def test_close_closes_every_widget():
 
 
 def test_every_schedule_runs_and_selective_sits_between_off_and_per_block(dashboard):
-    assert set(schedules(dashboard)) == {"none", "per block", "per block (torch)", "sqrt(n)",
-                                               "Revolve (2 slots)", "selective (save matmuls)"}
+    assert set(schedules(dashboard)) == {
+        "none",
+        "per block",
+        "per block (torch)",
+        "sqrt(n)",
+        "Revolve (2 slots)",
+        "selective (save matmuls)",
+    }
     peaks = {}
     for schedule in schedules(dashboard):
         dashboard.schedule.value = schedule
@@ -408,7 +419,7 @@ def test_off_is_timed_in_turns_with_the_checkpointed_setting_in_the_same_click(d
     dashboard.checkpointing.value = True
     [record] = dashboard.run(steps=1)
     # A warm-up of each, then TIMED_STEPS rounds, each running both; the order flips every round.
-    assert timer.calls == [True, False] + [True, False, False, True, True, False][:2 * TIMED_STEPS]
+    assert timer.calls == [True, False] + [True, False, False, True, True, False][: 2 * TIMED_STEPS]
     assert (
         record["step_times_s"] == [0.020] * TIMED_STEPS
         and record["off_times_s"] == [0.010] * TIMED_STEPS
@@ -425,7 +436,9 @@ def test_checkpointing_never_reads_faster_than_off_without_a_noise_note(dashboar
     """Whatever the clock says (here: random draws, often with checkpointing 'faster'), a ratio
     below 1.0x never stands alone, and overlapping spreads are called noise too."""
     generator = random.Random(seed)
-    draw = lambda: [generator.uniform(0.005, 0.05) for _ in range(2 * TIMED_STEPS)]  # noqa: E731
+    def draw():
+        return [generator.uniform(0.005, 0.05) for _ in range(2 * TIMED_STEPS)]
+
     dashboard.batch.value = 1
     dashboard.run(steps=1)
     dashboard.timer = ScriptedTimer(off=draw(), on=draw())
@@ -460,8 +473,7 @@ def test_advice_when_checkpointing_is_already_on_and_the_step_still_does_not_fit
     assert dashboard.run(steps=1) == []
     assert (
         "already on (Revolve (2 slots)) and keeps the fewest block inputs of the menu: lower the "
-        "batch or "
-        "the depth" in dashboard.message_text
+        "batch or the depth" in dashboard.message_text
     )
 
 
@@ -506,7 +518,7 @@ class OwnModel(torch.nn.Module):
 
     def training_step(self, batch):
         x, target = batch
-        for block in self.blocks:     # only "block" is implemented; anything else runs plain
+        for block in self.blocks:  # only "block" is implemented; anything else runs plain
             x = checkpoint(block, x) if self.checkpointing == "block" else block(x)
         loss = torch.nn.functional.mse_loss(x, target)
         loss.backward()
@@ -515,8 +527,12 @@ class OwnModel(torch.nn.Module):
 
 def test_a_schedule_the_models_switch_refuses_is_marked_and_refused():
     dashboard = MemoryDashboard(OwnModel(refuse_unknown=True), batch=2)
-    assert set(dashboard.unsupported) == {"per block (torch)", "sqrt(n)", "Revolve (2 slots)",
-                                          "selective (save matmuls)"}
+    assert set(dashboard.unsupported) == {
+        "per block (torch)",
+        "sqrt(n)",
+        "Revolve (2 slots)",
+        "selective (save matmuls)",
+    }
     labels = dict((value, label) for label, value in dashboard.schedule.options)
     assert labels["sqrt(n)"] == "sqrt(n) (not in OwnModel)" and labels["per block"] == "per block"
     dashboard.schedule.value = "sqrt(n)"
@@ -552,3 +568,71 @@ def test_a_schedule_the_model_accepts_but_runs_plain_is_not_reported_as_zero_sav
     [record] = dashboard.run(steps=1)
     assert record["schedule"] == "per block" and "less memory" in dashboard.readout_text
     dashboard.close()
+
+
+def gpt2(**sizes):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, **sizes)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config)
+
+
+def own_forward_everywhere(model) -> bool:
+    """No module of ``model`` carries an instance ``forward`` (what apply_checkpointing sets)."""
+    return all("forward" not in vars(module) for module in model.modules())
+
+
+def test_a_hugging_face_model_runs_through_apply_checkpointing_and_gets_its_forward_back():
+    model = gpt2(n_positions=32)
+    ids = torch.randint(128, (4, 32), generator=torch.Generator().manual_seed(0))
+    dashboard = MemoryDashboard(model, batch={"input_ids": ids, "labels": ids})
+    assert schedules(dashboard) == [
+        "none",
+        "every layer",
+        "every 2nd layer",
+        "selective (save matmuls)",
+        "offload",
+    ]
+    assert (dashboard.depth.value, dashboard.depth.disabled) == (2, True)
+    assert (dashboard.batch.value, dashboard.batch.disabled) == (4, True)
+    dashboard.steps.value = 1
+    [off] = dashboard.run()
+    dashboard.checkpointing.value = True
+    assert dashboard.schedule.value == "every layer"
+    [on] = dashboard.run()
+    assert on["peak_bytes"] < off["peak_bytes"], (on["peak_bytes"], off["peak_bytes"])
+    assert "recompute" in {entry.phase for entry in dashboard.timeline_data}
+    assert "less memory" in dashboard.readout_text and dashboard.message_text == ""
+    assert own_forward_everywhere(model)
+    dashboard.timer = lambda _model, _batch: 0.01  # the other variants: metered, not timed
+    for variant in ("every 2nd layer", "selective (save matmuls)", "offload"):
+        dashboard.schedule.value = variant
+        [record] = dashboard.run()
+        assert record["schedule"] == variant and dashboard.message_text == ""
+        assert own_forward_everywhere(model)
+    assert list(dashboard.bars_data(2, 4)) == schedules(dashboard)
+    dashboard.close()
+    assert own_forward_everywhere(model)
+
+
+def test_a_hugging_face_model_takes_a_batch_callable_and_the_slider_picks_its_size():
+    model = gpt2(n_positions=16)
+    ids = torch.randint(128, (8, 16), generator=torch.Generator().manual_seed(1))
+    dashboard = MemoryDashboard(model, batch=lambda n: (ids[:n],), steps=1)
+    assert not dashboard.batch.disabled and dashboard.batch.value == 8
+    dashboard.batch.value = 2
+    dashboard.schedule.value = "every layer"
+    [record] = dashboard.run()
+    assert (record["batch"], record["depth"]) == (2, 2) and own_forward_everywhere(model)
+    dashboard.close()
+
+
+def test_a_model_of_any_kind_is_told_what_its_inputs_must_be():
+    model = gpt2()
+    with pytest.raises(TypeError, match="a callable batch= is called with the batch size n"):
+        MemoryDashboard(model, batch=lambda: None)
+    with pytest.raises(TypeError, match="batch= must be the model's inputs"):
+        MemoryDashboard(model, batch=b"ids")
+    with pytest.raises(TypeError, match="has no ModuleList or Sequential of repeated layers"):
+        MemoryDashboard(torch.nn.Linear(2, 2), batch=torch.ones(1, 2))

@@ -1,4 +1,5 @@
 """ScheduleExplorer without a browser: set n, the schedule and its parameter; read the result."""
+
 from __future__ import annotations
 
 import base64
@@ -93,13 +94,17 @@ def test_the_parameter_slider_follows_the_schedule_and_n(explorer):
     )
     explorer.parameter.value = 5
     assert explorer.result["plan"] == "uniform(10, 5)"
-    explorer.n.value = 4                       # k = 5 no longer fits: clamped to n
+    explorer.n.value = 4  # k = 5 no longer fits: clamped to n
     assert explorer.parameter.value == 4 and explorer.result["plan"] == "uniform(4, 4)"
     explorer.schedule.value = "revolve"
     assert (explorer.parameter.description, explorer.parameter.max) == ("s slots", 3)
     explorer.schedule.value = "budget"
-    assert (explorer.parameter.description, explorer.parameter.min, explorer.parameter.max,
-            explorer.parameter.step) == ("budget %", 5, 100, 5)
+    assert (
+        explorer.parameter.description,
+        explorer.parameter.min,
+        explorer.parameter.max,
+        explorer.parameter.step,
+    ) == ("budget %", 5, 100, 5)
     # A schedule without a parameter shows no leftover number beside the disabled slider.
     explorer.schedule.value = "sqrt(n)"
     assert explorer.parameter.disabled and not explorer.parameter.readout
@@ -147,8 +152,14 @@ def test_measuring_freezes_the_controls_and_says_so(explorer):
     original = explorer.measure_plan
 
     def watching(plan):
-        seen.append((explorer.schedule.disabled, explorer.n.disabled, explorer.parameter.disabled,
-                     "Measuring" in explorer.message.value))
+        seen.append(
+            (
+                explorer.schedule.disabled,
+                explorer.n.disabled,
+                explorer.parameter.disabled,
+                "Measuring" in explorer.message.value,
+            )
+        )
         return original(plan)
 
     explorer.measure_plan = watching
@@ -179,11 +190,16 @@ def test_the_trade_off_curve_holds_every_schedule_and_the_current_plan_sits_on_i
     schedules = {point["schedule"] for point in explorer.curve}
     assert schedules == set(SCHEDULES)
     point = next(p for p in explorer.curve if p["schedule"] == "recursive")
-    assert (point["peak_bytes"], point["forward_calls"]) == (explorer.result["peak_bytes"],
-                                                             explorer.result["forward_calls"])
+    assert (point["peak_bytes"], point["forward_calls"]) == (
+        explorer.result["peak_bytes"],
+        explorer.result["forward_calls"],
+    )
     # More recomputation never needs more memory along the revolve family.
-    revolves = sorted((p["parameter"], p["forward_calls"], p["peak_bytes"]) for p in explorer.curve
-                      if p["schedule"] == "revolve")
+    revolves = sorted(
+        (p["parameter"], p["forward_calls"], p["peak_bytes"])
+        for p in explorer.curve
+        if p["schedule"] == "revolve"
+    )
     assert [calls for _, calls, _ in revolves] == sorted(
         (calls for _, calls, _ in revolves), reverse=True
     )
@@ -198,7 +214,7 @@ def test_the_picture_shows_every_layer_step_of_the_plan():
         picture == 4
     ).sum() == 8  # backward, record: once per layer
     assert (picture == 3).sum() == plan.forward_steps  # forwards keeping nothing
-    assert (picture == 1).sum(axis=0).max() <= plan.peak_slots               # checkpoints held
+    assert (picture == 1).sum(axis=0).max() <= plan.peak_slots  # checkpoints held
     np.testing.assert_array_equal(
         schedule_picture(Plan([Segment(0, 2), 2])),
         [[3, 1, 1, 1, 4, 2, 2, 5], [0, 3, 0, 0, 0, 4, 5, 0], [0, 0, 4, 5, 0, 0, 0, 0]],
@@ -209,7 +225,7 @@ def test_the_picture_shows_every_layer_step_of_the_plan():
 def test_a_parameter_change_at_64_layers_takes_well_under_a_second():
     explorer = ScheduleExplorer(n=64, schedule="revolve")
     slowest = 0.0
-    for slots in (2, 5, 3, 2):       # new plans, then cached ones
+    for slots in (2, 5, 3, 2):  # new plans, then cached ones
         began = time.perf_counter()
         explorer.parameter.value = slots
         slowest = max(slowest, time.perf_counter() - began)
