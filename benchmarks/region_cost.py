@@ -243,9 +243,9 @@ MARKDOWN_END = "<!-- region cost: end -->"
 def markdown(result: dict) -> str:
     env = result["environment"]
     head = [
-        f"torch {env['torch']}, {env['threads']} thread, {env['clock']}, {env['rounds']} interleaved "
-        "rounds; cost = median step time minus the plain step's, in us (quartiles of the step times "
-        "in brackets).",
+        f"torch {env['torch']}, {env['threads']} thread, {env['clock']}, "
+        f"{env['rounds']} interleaved rounds; cost = median step time minus the plain step's, "
+        "in us (quartiles of the step times in brackets).",
         "",
     ]
     columns = [

@@ -1,5 +1,5 @@
-"""benchmarks/region_cost.py: its floor is a real checkpoint, it measures every variant, the parts it
-switches off come back on, and its Markdown lands between the markers."""
+"""benchmarks/region_cost.py: its floor is a real checkpoint, it measures every variant, the parts
+it switches off come back on, and its Markdown lands between the markers."""
 
 from __future__ import annotations
 
