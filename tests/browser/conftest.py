@@ -5,6 +5,7 @@ serving a temporary copy of the repository's notebooks; `page` is a Playwright p
 Debian's Chromium (Playwright cannot download its own browsers here). In CI a missing
 browser is a failure; elsewhere the tests skip and say why.
 """
+
 from __future__ import annotations
 
 import os
@@ -23,15 +24,25 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM_FLAGS = [
-    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--disable-dev-shm-usage",
 ]
 
 
 def chromium_path() -> str | None:
-    for candidate in (os.environ.get("CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium"),
-                      shutil.which("chromium-browser"), shutil.which("google-chrome")):
+    for candidate in (
+        os.environ.get("CHROMIUM"),
+        "/usr/bin/chromium",
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+        shutil.which("google-chrome"),
+    ):
         if candidate and Path(candidate).exists():
             return candidate
     return None
@@ -78,10 +89,22 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
     port, token = free_port(), secrets.token_hex(16)
     log = open(root / "jupyterlab.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", "--allow-root",
-         f"--LabApp.user_settings_dir={root / 'settings'}", f"--LabApp.workspaces_dir={root / 'workspaces'}"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=root,
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--allow-root",
+            f"--LabApp.user_settings_dir={root / 'settings'}",
+            f"--LabApp.workspaces_dir={root / 'workspaces'}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=root,
         # One torch thread per kernel: on a 2-core machine a thread pool fighting Chromium
         # makes each training step an order of magnitude slower.
         env={**os.environ, "OMP_NUM_THREADS": "1"},
@@ -95,7 +118,9 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
         except OSError:
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
-                pytest.fail("JupyterLab did not start:\n" + (root / "jupyterlab.log").read_text()[-3000:])
+                pytest.fail(
+                    "JupyterLab did not start:\n" + (root / "jupyterlab.log").read_text()[-3000:]
+                )
             time.sleep(0.5)
     try:
         yield Lab(url, token, root)
@@ -114,7 +139,9 @@ def browser():
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS, headless=True)
+        browser = playwright.chromium.launch(
+            executable_path=path, args=CHROMIUM_FLAGS, headless=True
+        )
         yield browser
         browser.close()
 

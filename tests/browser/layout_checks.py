@@ -1,8 +1,10 @@
-"""What the widget browser tests check about layout: nothing clipped, text big enough, pictures sharp.
+"""What the widget browser tests check about layout: nothing clipped, text big enough, pictures
+sharp.
 
 Each check runs in the page and returns what it found wrong, so a failing assertion lists the
 offending elements instead of saying "False".
 """
+
 from __future__ import annotations
 
 # The two widths a learner's screen has in the tests: a small laptop and a common one.
@@ -19,18 +21,22 @@ CLIPPED = """(box) => {
                 && getComputedStyle(element).overflowX !== 'visible' || (element.clientWidth > 0
                 && element.getBoundingClientRect().right > box.getBoundingClientRect().right + 1))
             found.push(`${element.tagName}.${[...element.classList].join('.')}: `
-                       + `${element.scrollWidth} > ${element.clientWidth} "${element.innerText?.slice(0, 40)}"`);
+                       + `${element.scrollWidth} > ${element.clientWidth} `
+                       + `"${element.innerText?.slice(0, 40)}"`);
     }
     return found;
 }"""
 
 # Text under `root` set smaller than `least` CSS pixels (on screen, no zoom).
 SMALL_TEXT = """(root, least) => [...root.querySelectorAll('*')]
-    .filter(element => [...element.childNodes].some(node => node.nodeType === 3 && node.textContent.trim()))
+    .filter(element => [...element.childNodes].some(
+        node => node.nodeType === 3 && node.textContent.trim()))
     .filter(element => parseFloat(getComputedStyle(element).fontSize) < least)
-    .map(element => `${element.tagName} ${getComputedStyle(element).fontSize}: "${element.innerText.slice(0, 30)}"`)"""
+    .map(element => `${element.tagName} ${getComputedStyle(element).fontSize}: `
+        + `"${element.innerText.slice(0, 30)}"`)"""
 
-# An <img> drawn at `scale` times its size: natural width over shown width (1.0: a 2x picture stretched).
+# An <img> drawn at `scale` times its size: natural width over shown width
+# (1.0: a 2x picture stretched).
 PICTURE_SCALE = "(img) => img.naturalWidth / img.getBoundingClientRect().width"
 
 
@@ -50,7 +56,8 @@ def picture_scale(picture) -> float:
 
 
 def assert_readable(root, plot: str) -> None:
-    """Nothing cut off inside ``root``, no text below 11 px, its ``plot`` a 2x picture shown at (about) its size."""
+    """Nothing cut off inside ``root``, no text below 11 px, its ``plot`` a 2x picture shown at
+    (about) its size."""
     cut, small = clipped(root), small_text(root)
     assert not cut, "cut off:\n" + "\n".join(cut)
     assert not small, "too small:\n" + "\n".join(small)
@@ -61,10 +68,13 @@ def assert_readable(root, plot: str) -> None:
 # Every element under the selected ones whose content is wider than its box (scrollWidth above
 # clientWidth: cut off, or hidden behind a scroll bar), with what it holds. A slider's own parts
 # (noUi-*) reach past its track by design and are left out.
-CLIPPED_UNDER_SELECTOR = """(selector) => [...document.querySelectorAll(selector)].flatMap(root => [root, ...root.querySelectorAll('*')])
-    .filter(el => el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1 && !(el instanceof SVGElement)
+CLIPPED_UNDER_SELECTOR = """(selector) => [...document.querySelectorAll(selector)]
+    .flatMap(root => [root, ...root.querySelectorAll('*')])
+    .filter(el => el.clientWidth > 0 && el.scrollWidth > el.clientWidth + 1
+        && !(el instanceof SVGElement)
         && !String(el.className).includes('noUi'))
-    .map(el => `${el.className || el.tagName}: ${el.scrollWidth} > ${el.clientWidth}: ${(el.innerText || '').slice(0, 60)}`)"""
+    .map(el => `${el.className || el.tagName}: ${el.scrollWidth} > ${el.clientWidth}: `
+        + `${(el.innerText || '').slice(0, 60)}`)"""
 
 
 def assert_nothing_clipped(page, selector: str) -> None:

@@ -1,4 +1,5 @@
-"""The memory dashboard in JupyterLab, in a real Chromium, at 1100 and 1280 px: readable and unclipped.
+"""The memory dashboard in JupyterLab, in a real Chromium, at 1100 and 1280 px: readable and
+unclipped.
 
 A notebook of its own builds a dashboard for the default TinyTransformer (depth 4, batch 8)
 with a 15 MiB memory limit: on CPU one plain step needs about 20 MiB, one with a checkpoint
@@ -13,6 +14,7 @@ box), the readout wraps onto more lines instead, the text is at least 11 px, the
 picture shown at its size (sharp, not stretched), and the plot does not move when the message
 appears. Screenshots of each state go to test-artifacts/.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,28 +28,38 @@ from .widget_notebooks import assert_widgets_rendered, open_and_run, text_of, wr
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(600)]
 
 LIMIT_MIB = 15
-CELLS = ["from ckptlib.widgets import MemoryDashboard\n"
-         f"dashboard = MemoryDashboard(depth=4, batch=8, steps=1, memory_limit_bytes={LIMIT_MIB} * 2**20)\n"
-         "dashboard",
-         "small = MemoryDashboard(depth=2, batch=2, steps=1)\n"
-         "small.run(); small.checkpointing.value = True; small.run()\n"
-         "small"]
-CLICK_RUN_MS = 180_000     # one Run click: a metered step, a warm-up and three timed ones, on a loaded machine
+CELLS = [
+    "from ckptlib.widgets import MemoryDashboard\n"
+    "dashboard = MemoryDashboard(depth=4, batch=8, steps=1, "
+    f"memory_limit_bytes={LIMIT_MIB} * 2**20)\n"
+    "dashboard",
+    "small = MemoryDashboard(depth=2, batch=2, steps=1)\n"
+    "small.run(); small.checkpointing.value = True; small.run()\n"
+    "small",
+]
+CLICK_RUN_MS = (
+    180_000  # one Run click: a metered step, a warm-up and three timed ones, on a loaded machine
+)
 # "step 1 · per block, depth 4, batch 8: peak 8.40 MiB, 80 ms (75-90 ms, 3 runs) | vs off: ..."
 READOUT = re.compile(r"^step (?P<step>\d+) · (?P<setting>[^:]+): peak (?P<peak_mib>[\d.]+) MiB")
-TIME_VS_OFF = re.compile(r"\d+\.\d\dx the time of off(: within noise)?.*off timed in turns with it: \d+")
+TIME_VS_OFF = re.compile(
+    r"\d+\.\d\dx the time of off(: within noise)?.*off timed in turns with it: \d+"
+)
 
 
 def click_run(page) -> None:
-    """Click the first dashboard's Run and wait until the run has ended (button enabled, plot redrawn)."""
+    """Click the first dashboard's Run and wait until the run has ended (button enabled, plot
+    redrawn)."""
     before = page.locator(".ckptlib-plot").first.get_attribute("src")
     page.locator(".ckptlib-run").first.click()
     page.wait_for_function(
         """(before) => {
             const button = document.querySelector('.ckptlib-run');
-            return button && !button.disabled && document.querySelector('.ckptlib-plot').src !== before;
+            return button && !button.disabled
+                && document.querySelector('.ckptlib-plot').src !== before;
         }""",
-        arg=before, timeout=CLICK_RUN_MS,
+        arg=before,
+        timeout=CLICK_RUN_MS,
     )
 
 
@@ -60,9 +72,11 @@ def set_toggle(page, on: bool) -> None:
         """(on) => {
             const toggle = document.querySelector('.ckptlib-checkpointing');
             return toggle.classList.contains('mod-active') === on
-                && toggle.innerText.trim() === (on ? 'checkpointing: ON · per block' : 'checkpointing: OFF');
+                && toggle.innerText.trim()
+                    === (on ? 'checkpointing: ON · per block' : 'checkpointing: OFF');
         }""",
-        arg=on, timeout=30_000,
+        arg=on,
+        timeout=30_000,
     )
 
 
@@ -73,7 +87,8 @@ def plot_top(page) -> float:
 def lines_of(page, selector: str) -> float:
     """How many lines of text an element holds: its height over its line height."""
     return page.locator(selector).evaluate(
-        "box => box.getBoundingClientRect().height / parseFloat(getComputedStyle(box).lineHeight)")
+        "box => box.getBoundingClientRect().height / parseFloat(getComputedStyle(box).lineHeight)"
+    )
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=list(WIDTHS))
@@ -83,11 +98,16 @@ def test_a_step_over_the_limit_then_checkpointing_fits(lab, page, artifacts, wid
     try:
         open_and_run(page, lab, path, ".ckptlib-dashboard >> nth=1")
         assert_widgets_rendered(page)
-        assert page.locator(".ckptlib-readout").count() == 2, "expected two live dashboards on the page"
+        assert page.locator(".ckptlib-readout").count() == 2, (
+            "expected two live dashboards on the page"
+        )
         first = page.locator(".ckptlib-dashboard").first
         first.scroll_into_view_if_needed()
         # Before the first run: a real picture, not a broken-image icon.
-        assert page.locator(".ckptlib-plot").first.evaluate("img => img.complete && img.naturalWidth") > 0
+        assert (
+            page.locator(".ckptlib-plot").first.evaluate("img => img.complete && img.naturalWidth")
+            > 0
+        )
         assert text_of(page, ".ckptlib-readout >> nth=0") == "Press Run to measure a training step."
         first.screenshot(path=str(artifacts / f"dashboard-{width}-before-run.png"))
 
@@ -96,7 +116,8 @@ def test_a_step_over_the_limit_then_checkpointing_fits(lab, page, artifacts, wid
         click_run(page)
         message = page.locator(".ckptlib-message").first
         assert text_of(page, ".ckptlib-message >> nth=0").startswith(
-            "Does not fit (checkpointing off, depth 4, batch 8)")
+            "Does not fit (checkpointing off, depth 4, batch 8)"
+        )
         assert f"above the {LIMIT_MIB} MiB limit" in text_of(page, ".ckptlib-message >> nth=0")
         assert plot_top(page) == top, "the message moved the plot"
         # The message wraps inside its box instead of running off the page.
@@ -123,7 +144,9 @@ def test_a_step_over_the_limit_then_checkpointing_fits(lab, page, artifacts, wid
 
         second = page.locator(".ckptlib-dashboard").nth(1)
         second.scroll_into_view_if_needed()
-        assert TIME_VS_OFF.search(text_of(page, ".ckptlib-readout >> nth=1")), text_of(page, ".ckptlib-readout >> nth=1")
+        assert TIME_VS_OFF.search(text_of(page, ".ckptlib-readout >> nth=1")), text_of(
+            page, ".ckptlib-readout >> nth=1"
+        )
         assert_readable(second, ".ckptlib-plot")
         second.screenshot(path=str(artifacts / f"dashboard-{width}-time-vs-off.png"))
     finally:

@@ -3,6 +3,7 @@
 A page of its own (no JupyterLab needed): the HTML a notebook cell would show, in a row
 1100 px wide, as on a laptop screen with JupyterLab's side panel open.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,16 +17,21 @@ pytestmark = pytest.mark.browser
 def test_side_by_side_in_chromium_at_1100_px(browser, artifacts, tmp_path):
     model, _ = checkpointed_mlp("sqrt", depth=4)
     loss = model.loss(model.example_batch(batch=4))
-    page_html = SideBySide(torchviz_dot(loss, params=model), autograd_graph(loss, params=model),
-                           titles=["torchviz", "ckptlib"])._repr_html_()
+    page_html = SideBySide(
+        torchviz_dot(loss, params=model),
+        autograd_graph(loss, params=model),
+        titles=["torchviz", "ckptlib"],
+    )._repr_html_()
     (tmp_path / "page.html").write_text(f"<div id=out style='width: 1100px'>{page_html}</div>")
     page = browser.new_page(viewport={"width": 1200, "height": 900})
     try:
         page.goto((tmp_path / "page.html").as_uri())
         page.wait_for_function("Array.from(document.images).every(img => img.complete)")
         shown = page.evaluate("""() => Array.from(document.images).map(img => {
-            const box = img.getBoundingClientRect(), title = img.previousElementSibling.getBoundingClientRect();
-            return {scale: box.width / img.naturalWidth, right: box.right, top: box.top, titleBottom: title.bottom};
+            const box = img.getBoundingClientRect(),
+                title = img.previousElementSibling.getBoundingClientRect();
+            return {scale: box.width / img.naturalWidth, right: box.right, top: box.top,
+                titleBottom: title.bottom};
         })""")
         page.locator("#out").screenshot(path=str(artifacts / "graph_side_by_side_1100px.png"))
     finally:

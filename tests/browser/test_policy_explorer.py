@@ -1,4 +1,5 @@
-"""PolicyExplorer in JupyterLab, in a real Chromium, at 1100 and 1280 px: ticking an op keeps its output.
+"""PolicyExplorer in JupyterLab, in a real Chromium, at 1100 and 1280 px: ticking an op keeps its
+output.
 
 A notebook of its own shows the explorer for a small Transformer block. Nothing is ticked,
 so "your selection" keeps 0 B, like full checkpointing. The test ticks the softmax row and
@@ -10,6 +11,7 @@ At each width nothing is cut off (the "cost policy" column and the "your selecti
 least of all), the text is at least 11 px, the plot is a sharp 2x picture. Screenshots go to
 test-artifacts/.
 """
+
 from __future__ import annotations
 
 import re
@@ -23,14 +25,16 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(600)]
 
 CELLS = [
     "from ckptlib.models import TinyTransformer\nfrom ckptlib.widgets import PolicyExplorer\n"
-    "explorer = PolicyExplorer(TinyTransformer(depth=1, d_model=32, heads=2, seq=16, vocab=20), batch=2)\n"
+    "explorer = PolicyExplorer(TinyTransformer(depth=1, d_model=32, heads=2, seq=16, vocab=20), "
+    "batch=2)\n"
     "softmax = next(i for i, row in enumerate(explorer.rows) if row['op'] == '_softmax')\n"
-    "print(softmax, explorer.rows[softmax]['output_bytes'], explorer.references['save_matmuls']['kept_bytes'])",
+    "print(softmax, explorer.rows[softmax]['output_bytes'], "
+    "explorer.references['save_matmuls']['kept_bytes'])",
     "explorer",
 ]
 ROOT = ".ckptlib-policy-explorer"
 
-CELL_OF_SELECTION = """(label) => {
+CELL_OF_SELECTION = r"""(label) => {
     const rows = [...document.querySelectorAll('.ckptlib-policy-summary tr')];
     const header = [...rows[0].cells].map(cell => cell.innerText.replace(/\s+/g, ' ').trim());
     const row = rows.find(row => row.cells[0].innerText.trim() === label);
@@ -44,14 +48,17 @@ def kept_by_selection(page) -> str:
 
 
 def wait_for_kept(page, text: str) -> None:
-    page.wait_for_function(f"(want) => ({CELL_OF_SELECTION})('kept for backward') === want", arg=text,
-                           timeout=60_000)
+    page.wait_for_function(
+        f"(want) => ({CELL_OF_SELECTION})('kept for backward') === want", arg=text, timeout=60_000
+    )
 
 
 def wait_idle(page) -> None:
     page.wait_for_function(
-        "() => /\\| Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText ?? '')", timeout=120_000)
-    page.wait_for_timeout(500)   # the last plot's picture
+        "() => /\\| Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText ?? '')",
+        timeout=120_000,
+    )
+    page.wait_for_timeout(500)  # the last plot's picture
 
 
 @pytest.mark.parametrize("width", WIDTHS, ids=list(WIDTHS))
@@ -63,8 +70,9 @@ def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
     try:
         open_and_run(page, lab, path, ".ckptlib-policy-summary table")
         assert_widgets_rendered(page)
-        softmax, softmax_bytes, matmul_bytes = map(int, page.locator(".jp-OutputArea-output pre").first
-                                                   .inner_text().split())
+        softmax, softmax_bytes, matmul_bytes = map(
+            int, page.locator(".jp-OutputArea-output pre").first.inner_text().split()
+        )
         assert softmax_bytes == 2 * 2 * 16 * 16 * 4
         assert kept_by_selection(page) == "0 B"
         assert page.evaluate(CELL_OF_SELECTION, "step time") is None, "a time nobody asked for"
@@ -81,9 +89,13 @@ def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
         wait_idle(page)
 
         page.locator(".ckptlib-policy-time").click()
-        page.wait_for_function(f"() => ({CELL_OF_SELECTION})('step time') !== null", timeout=180_000)
+        page.wait_for_function(
+            f"() => ({CELL_OF_SELECTION})('step time') !== null", timeout=180_000
+        )
         wait_idle(page)
-        assert re.fullmatch(r"[\d.]+ ms\n[\d.]+-[\d.]+", page.evaluate(CELL_OF_SELECTION, "step time"))
+        assert re.fullmatch(
+            r"[\d.]+ ms\n[\d.]+-[\d.]+", page.evaluate(CELL_OF_SELECTION, "step time")
+        )
         explorer.scroll_into_view_if_needed()
         assert_readable(explorer, ".ckptlib-policy-plot")
         explorer.screenshot(path=str(artifacts / f"policy_explorer-{width}-timed.png"))

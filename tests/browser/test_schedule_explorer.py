@@ -8,6 +8,7 @@ slider with the keyboard, goes back to Revolve and presses End on the parameter 
 old result goes, a message in the widget's own terms comes. Nothing is cut off at either
 width; the pictures are drawn at twice their pixels on screen. Screenshots are kept.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,11 +20,17 @@ from .widget_notebooks import assert_widgets_rendered, open_and_run, text_of, wr
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(400)]
 
-CELLS = ["from ckptlib.widgets import ScheduleExplorer\nexplorer = ScheduleExplorer(n=16, schedule='revolve')\n"
-         "explorer"]
+CELLS = [
+    "from ckptlib.widgets import ScheduleExplorer\n"
+    "explorer = ScheduleExplorer(n=16, schedule='revolve')\n"
+    "explorer"
+]
 CALLS = re.compile(r"layer forward calls\s+(\d+)\s+(\d+) \(equal, layer by layer")
 WAIT_MS = 60_000
-PARTS = ".ckptlib-explorer-readout, .ckptlib-explorer-message, .ckptlib-explorer-plot, .ckptlib-explorer-tradeoff"
+PARTS = (
+    ".ckptlib-explorer-readout, .ckptlib-explorer-message, .ckptlib-explorer-plot, "
+    ".ckptlib-explorer-tradeoff"
+)
 
 
 def plot_source(page) -> str:
@@ -32,8 +39,10 @@ def plot_source(page) -> str:
 
 def readout_starts(page, text: str) -> None:
     page.wait_for_function(
-        "(t) => document.querySelector('.ckptlib-explorer-readout').innerText.startsWith(t)", arg=text,
-        timeout=WAIT_MS)
+        "(t) => document.querySelector('.ckptlib-explorer-readout').innerText.startsWith(t)",
+        arg=text,
+        timeout=WAIT_MS,
+    )
 
 
 def press(page, control: str, key: str) -> None:
@@ -52,7 +61,9 @@ def pick(page, schedule: str, plan: str) -> None:
 
 def wait_idle(page) -> None:
     page.wait_for_function(
-        "() => /\\| Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText ?? '')", timeout=WAIT_MS)
+        "() => /\\| Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText ?? '')",
+        timeout=WAIT_MS,
+    )
     page.wait_for_timeout(500)
 
 
@@ -66,13 +77,17 @@ def test_picking_a_schedule_remeasures_it(lab, page, artifacts, width):
         assert text_of(page, ".ckptlib-explorer-readout").startswith("revolve(16, slots=3)")
         before = plot_source(page)
         assert before.startswith("blob:") or before.startswith("data:")
-        page.evaluate("() => document.querySelector('.ckptlib-explorer-schedule').scrollIntoView({block: 'start'})")
+        page.evaluate(
+            "() => document.querySelector('.ckptlib-explorer-schedule')"
+            ".scrollIntoView({block: 'start'})"
+        )
         page.wait_for_timeout(500)
         assert_nothing_clipped(page, PARTS)
         # Drawn at twice the pixels they take, so sharp; never wider than the page.
         for name in ("plot", "tradeoff"):
             natural, shown = page.locator(f".ckptlib-explorer-{name}").evaluate(
-                "img => [img.naturalWidth, img.getBoundingClientRect().width]")
+                "img => [img.naturalWidth, img.getBoundingClientRect().width]"
+            )
             assert natural >= 1.9 * shown > 0, (name, natural, shown)
         page.screenshot(path=str(artifacts / f"schedule_explorer_{width}.png"))
 
@@ -82,8 +97,11 @@ def test_picking_a_schedule_remeasures_it(lab, page, artifacts, width):
         measured, theory = CALLS.search(readout).groups()
         assert measured == theory == "28", readout
         assert "the whole step" in readout and "activations only" in readout
-        page.wait_for_function("(old) => document.querySelector('.ckptlib-explorer-plot').src !== old",
-                               arg=before, timeout=WAIT_MS)
+        page.wait_for_function(
+            "(old) => document.querySelector('.ckptlib-explorer-plot').src !== old",
+            arg=before,
+            timeout=WAIT_MS,
+        )
         # sqrt(n) takes no parameter: its slider is disabled.
         assert page.locator(".ckptlib-explorer-parameter .widget-readout").count() == 1
         assert "(no parameter)" in text_of(page, ".ckptlib-explorer-parameter")
@@ -107,21 +125,36 @@ def test_picking_a_schedule_remeasures_it(lab, page, artifacts, width):
         pick(page, "budget", "plan_for_budget(50%")
         press(page, "parameter", "Home")
         page.wait_for_function(
-            "() => document.querySelector('.ckptlib-explorer-message').innerText.includes('No plan for 20 layers')",
-            timeout=WAIT_MS)
+            "() => document.querySelector('.ckptlib-explorer-message')"
+            ".innerText.includes('No plan for 20 layers')",
+            timeout=WAIT_MS,
+        )
         message = text_of(page, ".ckptlib-explorer-message")
-        assert "budget %" in message and "KiB" in message and "memory_budget" not in message, message
+        assert "budget %" in message and "KiB" in message and "memory_budget" not in message, (
+            message
+        )
         assert text_of(page, ".ckptlib-explorer-readout") == ""
-        assert page.locator(".ckptlib-explorer-plot").evaluate("img => img.getBoundingClientRect().height") == 0
+        assert (
+            page.locator(".ckptlib-explorer-plot").evaluate(
+                "img => img.getBoundingClientRect().height"
+            )
+            == 0
+        )
         assert_nothing_clipped(page, PARTS)
-        page.evaluate("() => document.querySelector('.ckptlib-explorer-schedule').scrollIntoView({block: 'start'})")
+        page.evaluate(
+            "() => document.querySelector('.ckptlib-explorer-schedule')"
+            ".scrollIntoView({block: 'start'})"
+        )
         page.screenshot(path=str(artifacts / f"schedule_explorer_{width}_no_plan.png"))
         least = int(re.search(r"slider to (\d+)%", message)[1])
         for percent in range(10, least + 1, 5):
             press(page, "parameter", "ArrowRight")
             page.wait_for_function(
-                "(p) => document.querySelector('.ckptlib-explorer-parameter').innerText.includes(p)",
-                arg=str(percent), timeout=WAIT_MS)
+                "(p) => document.querySelector('.ckptlib-explorer-parameter')"
+                ".innerText.includes(p)",
+                arg=str(percent),
+                timeout=WAIT_MS,
+            )
             wait_idle(page)
         readout_starts(page, f"plan_for_budget({least}%")
     finally:

@@ -1,4 +1,5 @@
-"""The reveal.js decks `make slides` builds open offline in Chromium, and every slide fits the screen.
+"""The reveal.js decks `make slides` builds open offline in Chromium, and every slide fits the
+screen.
 
 Expected slides, from the notebook's metadata alone (what nbconvert's reveal preprocessor does):
 a slide starts at the first cell whose slide_type is not "skip" or "notes" (whatever its type),
@@ -8,6 +9,7 @@ start one, and a cell without slide metadata counts as "-". On top of those, sli
 slide too tall for the canvas into continuation slides (class ``course-continued``), and says
 how many it made in ``<html data-slides-fitted="N">`` before reveal.js starts.
 """
+
 from __future__ import annotations
 
 import re
@@ -20,7 +22,11 @@ import classroom  # tools/, put on sys.path by tests/conftest.py
 
 pytestmark = pytest.mark.browser
 NOTEBOOKS = classroom.notebooks() + classroom.solutions()
-WIDGET_NOTEBOOKS = [notebook for notebook in NOTEBOOKS if classroom.WIDGET_VIEW in notebook.read_text(encoding="utf-8")]
+WIDGET_NOTEBOOKS = [
+    notebook
+    for notebook in NOTEBOOKS
+    if classroom.WIDGET_VIEW in notebook.read_text(encoding="utf-8")
+]
 
 # Every slide, with all its fragments shown: how tall it is, and which <pre> blocks overflow.
 MEASURE_SLIDES = """reveal_js => {
@@ -33,9 +39,12 @@ MEASURE_SLIDES = """reveal_js => {
     while (Reveal.nextFragment()) {}
     const pres = [...slide.querySelectorAll('pre')].filter(pre => pre.clientWidth > 0);
     slides.push({
-      at: `${at.h}/${at.v}`, height, tall: slide.scrollHeight, scrolls: slide.classList.contains('course-scroll'),
-      clipped: pres.filter(pre => pre.scrollWidth > pre.clientWidth + 1).map(pre => pre.textContent.slice(0, 40)),
-      smallest_code_px: Math.min(99, ...pres.map(pre => parseFloat(getComputedStyle(pre).fontSize))),
+      at: `${at.h}/${at.v}`, height, tall: slide.scrollHeight,
+      scrolls: slide.classList.contains('course-scroll'),
+      clipped: pres.filter(pre => pre.scrollWidth > pre.clientWidth + 1)
+        .map(pre => pre.textContent.slice(0, 40)),
+      smallest_code_px: Math.min(99,
+        ...pres.map(pre => parseFloat(getComputedStyle(pre).fontSize))),
     });
   }
   return slides;
@@ -43,10 +52,12 @@ MEASURE_SLIDES = """reveal_js => {
 
 
 def expected_slides(notebook: Path) -> int:
-    kinds = [cell.metadata.get("slideshow", {}).get("slide_type", "-")
-             for cell in nbformat.read(notebook, as_version=4).cells]
+    kinds = [
+        cell.metadata.get("slideshow", {}).get("slide_type", "-")
+        for cell in nbformat.read(notebook, as_version=4).cells
+    ]
     first = next(index for index, kind in enumerate(kinds) if kind not in ("skip", "notes"))
-    return 1 + sum(kind in ("slide", "subslide") for kind in kinds[first + 1:])
+    return 1 + sum(kind in ("slide", "subslide") for kind in kinds[first + 1 :])
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +69,12 @@ def decks(browser, build_classroom) -> Path:
 def open_deck(page, decks: Path, notebook: Path, network: list, page_errors: list) -> str:
     """Open a notebook's deck offline; return the URL of its reveal.js module."""
     deck = classroom.slides_page(notebook)
-    page.on("request", lambda request: request.url.startswith(("file:", "data:", "blob:"))
-            or network.append(request.url))
+    page.on(
+        "request",
+        lambda request: (
+            request.url.startswith(("file:", "data:", "blob:")) or network.append(request.url)
+        ),
+    )
     page.on("pageerror", lambda error: page_errors.append(str(error)))
     # networkidle: MathJax and the widgets renderer load their pieces after the page's load event.
     page.goto((decks / deck).as_uri(), wait_until="networkidle")
@@ -111,8 +126,11 @@ def test_every_slide_fits_the_canvas(notebook, decks, page, artifacts):
     reveal_js = open_deck(page, decks, notebook, [], [])
     slides = page.evaluate(MEASURE_SLIDES, reveal_js)
     clipped = [(slide["at"], slide["clipped"]) for slide in slides if slide["clipped"]]
-    too_tall = [(slide["at"], slide["tall"]) for slide in slides
-                if slide["tall"] > slide["height"] + 1 and not slide["scrolls"]]
+    too_tall = [
+        (slide["at"], slide["tall"])
+        for slide in slides
+        if slide["tall"] > slide["height"] + 1 and not slide["scrolls"]
+    ]
     if clipped or too_tall:
         worst = (clipped or too_tall)[0][0].split("/")
         page.evaluate(f"url => require(url).slide({worst[0]}, {worst[1]})", reveal_js)
@@ -124,7 +142,9 @@ def test_every_slide_fits_the_canvas(notebook, decks, page, artifacts):
     assert min(slide["smallest_code_px"] for slide in slides) >= 13
 
 
-@pytest.mark.parametrize("notebook", WIDGET_NOTEBOOKS, ids=[notebook.stem for notebook in WIDGET_NOTEBOOKS])
+@pytest.mark.parametrize(
+    "notebook", WIDGET_NOTEBOOKS, ids=[notebook.stem for notebook in WIDGET_NOTEBOOKS]
+)
 def test_a_widget_is_a_labelled_snapshot(notebook, decks, page, artifacts):
     """Each widget output shows what its cell showed (its picture, or else its saved state; never an
     empty box) on a slide of its own, under a note that says which, readable: no text below 10 px
@@ -133,23 +153,33 @@ def test_a_widget_is_a_labelled_snapshot(notebook, decks, page, artifacts):
     reveal_js = open_deck(page, decks, notebook, [], [])
     assert page.locator(".course-widget-note").count() >= 1, "no note on the widget"
     note = page.locator(".course-widget-note").first
-    page.evaluate("([url, note]) => { const Reveal = require(url);"
-                  " const at = Reveal.getIndices(note.closest('section'));"
-                  " Reveal.slide(at.h, at.v); while (Reveal.nextFragment()) {} }",
-                  [reveal_js, note.element_handle()])
+    page.evaluate(
+        "([url, note]) => { const Reveal = require(url);"
+        " const at = Reveal.getIndices(note.closest('section'));"
+        " Reveal.slide(at.h, at.v); while (Reveal.nextFragment()) {} }",
+        [reveal_js, note.element_handle()],
+    )
     page.wait_for_timeout(500)
     page.screenshot(path=str(artifacts / f"slides-widget-{notebook.stem}.png"))
     assert note.is_visible()
     text = note.inner_text()
-    assert ("Static snapshot" in text or "Picture of an interactive widget" in text) and notebook.name in text
+    assert (
+        "Static snapshot" in text or "Picture of an interactive widget" in text
+    ) and notebook.name in text
     slide = page.locator("section.present").last
     if "Static snapshot" in text:
         views = slide.locator(".widget-subarea")
-        assert views.count() >= 1 and views.first.locator(".widget-button, .widget-slider, .jupyter-widgets").count() > 0
+        assert (
+            views.count() >= 1
+            and views.first.locator(".widget-button, .widget-slider, .jupyter-widgets").count() > 0
+        )
         zoom = slide.evaluate("s => parseFloat(s.querySelector('.course-shrink')?.style.zoom || 1)")
-        smallest = min(views.first.evaluate("""view => [...view.querySelectorAll('*')]
-            .filter(e => [...e.childNodes].some(n => n.nodeType === 3 && n.textContent.trim()) && e.offsetWidth)
-            .map(e => parseFloat(getComputedStyle(e).fontSize))"""))
+        smallest = min(
+            views.first.evaluate("""view => [...view.querySelectorAll('*')]
+            .filter(e => [...e.childNodes].some(n => n.nodeType === 3 && n.textContent.trim())
+                && e.offsetWidth)
+            .map(e => parseFloat(getComputedStyle(e).fontSize))""")
+        )
         assert smallest * zoom >= 10, f"widget text at {smallest * zoom:.1f} px"
         cut = views.first.evaluate("""view => [...view.querySelectorAll('.jupyter-button')]
             .filter(b => b.scrollWidth > b.clientWidth + 1).map(b => b.innerText)""")

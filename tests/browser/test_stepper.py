@@ -7,6 +7,7 @@ Nothing is cut off at either width, the caption wraps, the graph's text is reada
 box the event is about is on screen together with the controls. Play then moves the slider by
 itself (the link lives in the browser). Screenshots are kept either way.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,7 +22,8 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(400)]
 CELLS = [
     "from ckptlib.models import MLPChain\nfrom ckptlib.widgets import BackwardStepper",
     "stepper = BackwardStepper(MLPChain(depth=3, width=16, checkpointing='block'), batch=2)\n"
-    "first_rerun_pack = next(i for i, f in enumerate(stepper.frames) if 'rerun: packs' in f['text'])\n"
+    "first_rerun_pack = next(i for i, f in enumerate(stepper.frames) "
+    "if 'rerun: packs' in f['text'])\n"
     "stepper.position.value = first_rerun_pack - 1\n"
     "stepper",
 ]
@@ -29,11 +31,16 @@ CAPTION = re.compile(r"^(\d+)/(\d+) · (.*)$", re.S)
 WAIT_MS = 30_000
 # The SVG in view (a container query shows one of two windows), its nodes' outlines by title.
 NODE_OUTLINES = """() => {
-    const svg = [...document.querySelectorAll('.ckptlib-stepper-graph svg')].find(s => s.getBoundingClientRect().width > 0);
+    const svg = [...document.querySelectorAll('.ckptlib-stepper-graph svg')]
+        .find(s => s.getBoundingClientRect().width > 0);
     return Object.fromEntries([...svg.querySelectorAll('g.node')].map(
-        g => [g.querySelector('title').textContent.split(':')[0], g.querySelector('polygon').getAttribute('points')]));
+        g => [g.querySelector('title').textContent.split(':')[0],
+            g.querySelector('polygon').getAttribute('points')]));
 }"""
-VISIBLE_SVG = "[...document.querySelectorAll('.ckptlib-stepper-graph svg')].find(s => s.getBoundingClientRect().width > 0)"
+VISIBLE_SVG = (
+    "[...document.querySelectorAll('.ckptlib-stepper-graph svg')]"
+    ".find(s => s.getBoundingClientRect().width > 0)"
+)
 
 
 def caption(page) -> tuple[int, int, str]:
@@ -52,23 +59,35 @@ def test_next_and_play_step_through_the_rerun(lab, page, artifacts, width):
         position, count, text = caption(page)
         assert "block 2 reruns" in text or "loads its kept input" in text, text
         page.locator(".ckptlib-stepper-next").scroll_into_view_if_needed()
-        page.evaluate("() => document.querySelector('.ckptlib-stepper-next').scrollIntoView({block: 'start'})")
+        page.evaluate(
+            "() => document.querySelector('.ckptlib-stepper-next').scrollIntoView({block: 'start'})"
+        )
         before = page.evaluate(NODE_OUTLINES)
-        assert len(before) > 10 and ": recomputed" not in page.locator(".ckptlib-stepper-graph").inner_html()
+        assert (
+            len(before) > 10
+            and ": recomputed" not in page.locator(".ckptlib-stepper-graph").inner_html()
+        )
 
         page.locator(".ckptlib-stepper-next").click()
         page.wait_for_function(
-            "(p) => document.querySelector('.ckptlib-stepper-caption').innerText.trim().startsWith(`${p + 1}/`)",
-            arg=position, timeout=WAIT_MS)
+            "(p) => document.querySelector('.ckptlib-stepper-caption').innerText.trim()"
+            ".startsWith(`${p + 1}/`)",
+            arg=position,
+            timeout=WAIT_MS,
+        )
         _, _, text = caption(page)
         assert text.startswith("block 2 rerun: packs tensor #0"), text
         # The graph's picture and the counts arrive in messages of their own: wait for them.
         page.wait_for_function(
-            "() => document.querySelector('.ckptlib-stepper-graph').innerHTML.includes(': recomputed</title>')",
-            timeout=WAIT_MS)
+            "() => document.querySelector('.ckptlib-stepper-graph').innerHTML"
+            ".includes(': recomputed</title>')",
+            timeout=WAIT_MS,
+        )
         page.wait_for_function(
-            "() => /recomputed:\\s*1(?!\\d)/.test(document.querySelector('.ckptlib-stepper-states').textContent)",
-            timeout=WAIT_MS)
+            "() => /recomputed:\\s*1(?!\\d)/"
+            ".test(document.querySelector('.ckptlib-stepper-states').textContent)",
+            timeout=WAIT_MS,
+        )
         # Laid out once: every node is where it was, only its colours changed.
         assert page.evaluate(NODE_OUTLINES) == before
         assert page.locator(".ckptlib-stepper-timeline img").evaluate("img => img.naturalWidth") > 0
@@ -77,42 +96,57 @@ def test_next_and_play_step_through_the_rerun(lab, page, artifacts, width):
         page.wait_for_timeout(500)
         view = page.evaluate(f"""() => {{
             const svg = {VISIBLE_SVG};
-            const current = [...svg.querySelectorAll('g.node polygon')].find(p => p.getAttribute('stroke-width') === '2.5');
+            const current = [...svg.querySelectorAll('g.node polygon')]
+                .find(p => p.getAttribute('stroke-width') === '2.5');
             const text = svg.querySelector('g.node text');
             return {{current: current && current.getBoundingClientRect().toJSON(),
-                     next: document.querySelector('.ckptlib-stepper-next').getBoundingClientRect().toJSON(),
+                     next: document.querySelector('.ckptlib-stepper-next')
+                         .getBoundingClientRect().toJSON(),
                      textHeight: text.getBoundingClientRect().height}};
         }}""")
         assert view["current"] is not None, "no box of the event drawn"
         assert view["current"]["top"] >= 0 and view["current"]["bottom"] <= 800, view
         assert view["next"]["top"] >= 0 and view["next"]["bottom"] <= 800, view
         assert view["textHeight"] >= 10.5, f"the graph's text is {view['textHeight']:.1f} px tall"
-        assert_nothing_clipped(page, ".ckptlib-stepper-caption, .ckptlib-stepper-states, .ckptlib-stepper-graph, "
-                                     ".ckptlib-stepper-timeline")
+        assert_nothing_clipped(
+            page,
+            ".ckptlib-stepper-caption, .ckptlib-stepper-states, .ckptlib-stepper-graph, "
+            ".ckptlib-stepper-timeline",
+        )
         page.screenshot(path=str(artifacts / f"stepper_{width}_rerun.png"))
 
         page.locator(".ckptlib-stepper-prev").click()
         page.wait_for_function(
-            "(p) => document.querySelector('.ckptlib-stepper-caption').innerText.trim().startsWith(`${p}/`)",
-            arg=position, timeout=WAIT_MS)
+            "(p) => document.querySelector('.ckptlib-stepper-caption').innerText.trim()"
+            ".startsWith(`${p}/`)",
+            arg=position,
+            timeout=WAIT_MS,
+        )
 
         play = page.locator(".widget-play button").first
-        play.click()                                           # Play (the same button pauses)
+        play.click()  # Play (the same button pauses)
         page.wait_for_function(
-            "(p) => Number(document.querySelector('.ckptlib-stepper-caption').innerText.split('/')[0]) > p + 2",
-            arg=position, timeout=WAIT_MS)
+            "(p) => Number(document.querySelector('.ckptlib-stepper-caption').innerText"
+            ".split('/')[0]) > p + 2",
+            arg=position,
+            timeout=WAIT_MS,
+        )
         play.click()
         paused_at = caption(page)[0]
-        page.wait_for_timeout(2000)                            # two intervals: it stays where it paused
-        assert caption(page)[0] == paused_at and paused_at > position + 2 and caption(page)[1] == count
+        page.wait_for_timeout(2000)  # two intervals: it stays where it paused
+        assert (
+            caption(page)[0] == paused_at and paused_at > position + 2 and caption(page)[1] == count
+        )
         assert page.evaluate(NODE_OUTLINES) == before
     finally:
         page.screenshot(path=str(artifacts / f"stepper_{width}.png"))
 
 
 def test_the_first_event_shows_no_backward_graph_yet(lab, page, artifacts):
-    cells = ["from ckptlib.models import MLPChain\nfrom ckptlib.widgets import BackwardStepper\n"
-             "BackwardStepper(MLPChain(depth=3, width=16, checkpointing='block'), batch=2)"]
+    cells = [
+        "from ckptlib.models import MLPChain\nfrom ckptlib.widgets import BackwardStepper\n"
+        "BackwardStepper(MLPChain(depth=3, width=16, checkpointing='block'), batch=2)"
+    ]
     path = write_notebook(lab, "stepper_first_event", cells)
     page.set_viewport_size({"width": 1280, "height": 800})
     try:
@@ -123,6 +157,8 @@ def test_the_first_event_shows_no_backward_graph_yet(lab, page, artifacts):
             .map(g => g.querySelector('polygon').getAttribute('fill'))""")
         # Ops forward has not made yet are pale; the leaves (weights, biases) are there already.
         assert "#F7F7F7" in pale and "lightgrey" not in pale, pale
-        page.evaluate("() => document.querySelector('.ckptlib-stepper-next').scrollIntoView({block: 'start'})")
+        page.evaluate(
+            "() => document.querySelector('.ckptlib-stepper-next').scrollIntoView({block: 'start'})"
+        )
     finally:
         page.screenshot(path=str(artifacts / "stepper_first_event.png"))

@@ -4,6 +4,7 @@ Each test writes its own notebook (a few cells that build one widget) instead of
 course notebook: the course notebooks change with the lessons, the widgets' tests should
 not. Cells are run with the Run menu's "Run All Cells", as a learner would.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,14 +12,21 @@ import re
 
 import nbformat
 
-LOAD_MS = 60_000         # notebook open and kernel idle
-CELLS_RUN_MS = 120_000   # imports and building the widget, on two cores shared with the browser
+LOAD_MS = 60_000  # notebook open and kernel idle
+CELLS_RUN_MS = 120_000  # imports and building the widget, on two cores shared with the browser
 
 
 def write_notebook(lab, name: str, cells: list[str]) -> str:
-    """Write ``cells`` (code) as ``<name>.ipynb`` in the lab's root; return its path for ``notebook_url``."""
-    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    """Write ``cells`` (code) as ``<name>.ipynb`` in the lab's root; return its path for
+    ``notebook_url``."""
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(source) for source in cells]
+    )
+    notebook.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nbformat.write(notebook, lab.root / f"{name}.ipynb")
     # Render every cell, not only those in view.
     tracker = lab.root / "settings" / "@jupyterlab" / "notebook-extension"
@@ -52,7 +60,12 @@ def open_and_run(page, lab, path: str, ready_selector: str) -> None:
 
 def assert_widgets_rendered(page) -> None:
     assert page.locator("text=Error displaying widget").count() == 0
-    assert page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']").count() == 0
+    assert (
+        page.locator(
+            ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']"
+        ).count()
+        == 0
+    )
 
 
 def text_of(page, selector: str) -> str:
