@@ -49,7 +49,9 @@ def _x() -> torch.Tensor:
     return torch.randn(4, 4, requires_grad=True)
 
 
-_PROFILE = CostProfile({OpCall(aten.mm.default, ((4, 4), (4, 4))): OpCost(1, 0.001, 64)}, activation_bytes=64)
+_PROFILE = CostProfile(
+    {OpCall(aten.mm.default, ((4, 4), (4, 4))): OpCost(1, 0.001, 64)}, activation_bytes=64
+)
 
 # (id, function, positional arguments after fn, keyword arguments, exception, words in the message)
 SELECTIVE_CHECKPOINT = [
@@ -57,66 +59,220 @@ SELECTIVE_CHECKPOINT = [
     ("policy None", {"policy": None}, TypeError, ["policy must be a callable", "NoneType"]),
     ("policy torch.mm", {"policy": {torch.mm}}, TypeError, ["policy contains", "not an aten op"]),
     ("policy strings", {"policy": ["aten.mm"]}, TypeError, ["'aten.mm'", "not an aten op"]),
-    ("policy lambda op", {"policy": lambda op: True}, TypeError,
-     ["policy <lambda>(op)", "policy(op, *args, **kwargs)"]),
-    ("policy without **kwargs", {"policy": keep_without_kwargs}, TypeError,
-     ["keep_without_kwargs(op, *args)", "keyword arguments"]),
-    ("policy object, one parameter", {"policy": KeepOnlyOp()}, TypeError,
-     ["policy KeepOnlyOp(op)", "(op, *args, **kwargs)"]),
-    ("policy, two required", {"policy": two_required}, TypeError, ["two_required(op, tensor, *args, **kwargs)"]),
-    ("skip_unneeded str", {"policy": save_matmuls, "skip_unneeded": "no"}, TypeError,
-     ["selective_checkpoint", "skip_unneeded must be True or False", "'no'"]),
-    ("preserve_rng_state str", {"policy": save_matmuls, "preserve_rng_state": "no"}, TypeError,
-     ["preserve_rng_state must be True or False", "'no'"]),
-    ("early_stop None", {"policy": save_matmuls, "early_stop": None}, TypeError,
-     ["early_stop must be True or False", "None"]),
-    ("debug str", {"policy": save_matmuls, "debug": "loud"}, TypeError, ["debug must be True or False", "'loud'"]),
-    ("plans dict", {"policy": save_matmuls, "plans": {}}, TypeError, ["plans must be a SelectivePlans", "dict"]),
-    ("plans without skipping", {"policy": save_matmuls, "plans": SelectivePlans(), "skip_unneeded": False},
-     ValueError, ["plans= needs skip_unneeded=True"]),
+    (
+        "policy lambda op",
+        {"policy": lambda op: True},
+        TypeError,
+        ["policy <lambda>(op)", "policy(op, *args, **kwargs)"],
+    ),
+    (
+        "policy without **kwargs",
+        {"policy": keep_without_kwargs},
+        TypeError,
+        ["keep_without_kwargs(op, *args)", "keyword arguments"],
+    ),
+    (
+        "policy object, one parameter",
+        {"policy": KeepOnlyOp()},
+        TypeError,
+        ["policy KeepOnlyOp(op)", "(op, *args, **kwargs)"],
+    ),
+    (
+        "policy, two required",
+        {"policy": two_required},
+        TypeError,
+        ["two_required(op, tensor, *args, **kwargs)"],
+    ),
+    (
+        "skip_unneeded str",
+        {"policy": save_matmuls, "skip_unneeded": "no"},
+        TypeError,
+        ["selective_checkpoint", "skip_unneeded must be True or False", "'no'"],
+    ),
+    (
+        "preserve_rng_state str",
+        {"policy": save_matmuls, "preserve_rng_state": "no"},
+        TypeError,
+        ["preserve_rng_state must be True or False", "'no'"],
+    ),
+    (
+        "early_stop None",
+        {"policy": save_matmuls, "early_stop": None},
+        TypeError,
+        ["early_stop must be True or False", "None"],
+    ),
+    (
+        "debug str",
+        {"policy": save_matmuls, "debug": "loud"},
+        TypeError,
+        ["debug must be True or False", "'loud'"],
+    ),
+    (
+        "plans dict",
+        {"policy": save_matmuls, "plans": {}},
+        TypeError,
+        ["plans must be a SelectivePlans", "dict"],
+    ),
+    (
+        "plans without skipping",
+        {"policy": save_matmuls, "plans": SelectivePlans(), "skip_unneeded": False},
+        ValueError,
+        ["plans= needs skip_unneeded=True"],
+    ),
 ]
 
 POLICY_FROM_COSTS = [
-    ("memory_ratio str", {"memory_ratio": "half"}, TypeError, ["memory_ratio must be a number", "'half'", "str"]),
-    ("memory_ratio bool", {"memory_ratio": True}, TypeError, ["memory_ratio must be a number", "bool"]),
-    ("memory_ratio negative", {"memory_ratio": -0.5}, ValueError, ["memory_ratio must be a finite number >= 0",
-                                                                   "-0.5"]),
-    ("memory_ratio nan", {"memory_ratio": float("nan")}, ValueError, ["memory_ratio", "finite", "nan"]),
-    ("repeats str", {"memory_ratio": 0.5, "repeats": "3"}, TypeError, ["repeats must be an int", "'3'"]),
-    ("repeats zero", {"memory_ratio": 0.5, "repeats": 0}, ValueError, ["repeats must be at least 1", "got 0"]),
-    ("budget negative", {"budget_bytes": -5}, ValueError, ["budget_bytes must be at least 0", "got -5"]),
-    ("budget str", {"budget_bytes": "1MB"}, TypeError, ["budget_bytes must be an int number of bytes", "'1MB'"]),
+    (
+        "memory_ratio str",
+        {"memory_ratio": "half"},
+        TypeError,
+        ["memory_ratio must be a number", "'half'", "str"],
+    ),
+    (
+        "memory_ratio bool",
+        {"memory_ratio": True},
+        TypeError,
+        ["memory_ratio must be a number", "bool"],
+    ),
+    (
+        "memory_ratio negative",
+        {"memory_ratio": -0.5},
+        ValueError,
+        ["memory_ratio must be a finite number >= 0", "-0.5"],
+    ),
+    (
+        "memory_ratio nan",
+        {"memory_ratio": float("nan")},
+        ValueError,
+        ["memory_ratio", "finite", "nan"],
+    ),
+    (
+        "repeats str",
+        {"memory_ratio": 0.5, "repeats": "3"},
+        TypeError,
+        ["repeats must be an int", "'3'"],
+    ),
+    (
+        "repeats zero",
+        {"memory_ratio": 0.5, "repeats": 0},
+        ValueError,
+        ["repeats must be at least 1", "got 0"],
+    ),
+    (
+        "budget negative",
+        {"budget_bytes": -5},
+        ValueError,
+        ["budget_bytes must be at least 0", "got -5"],
+    ),
+    (
+        "budget str",
+        {"budget_bytes": "1MB"},
+        TypeError,
+        ["budget_bytes must be an int number of bytes", "'1MB'"],
+    ),
     ("budget float", {"budget_bytes": 1.5}, TypeError, ["budget_bytes must be an int", "1.5"]),
-    ("worth str", {"memory_ratio": 0.5, "worth": "1"}, TypeError, ["worth must be a number", "'1'"]),
-    ("worth negative", {"memory_ratio": 0.5, "worth": -1}, ValueError, ["worth must be a finite number >= 0"]),
+    (
+        "worth str",
+        {"memory_ratio": 0.5, "worth": "1"},
+        TypeError,
+        ["worth must be a number", "'1'"],
+    ),
+    (
+        "worth negative",
+        {"memory_ratio": 0.5, "worth": -1},
+        ValueError,
+        ["worth must be a finite number >= 0"],
+    ),
     ("both budgets", {"memory_ratio": 0.5, "budget_bytes": 10}, ValueError, ["exactly one budget"]),
     ("no budget", {}, ValueError, ["exactly one budget", "memory_ratio", "budget_bytes"]),
 ]
 
 MEASURE_OP_COSTS = [
-    ("repeats str", {"repeats": "3"}, TypeError, ["measure_op_costs", "repeats must be an int", "'3'"]),
-    ("repeats zero", {"repeats": 0}, ValueError, ["measure_op_costs", "repeats must be at least 1"]),
+    (
+        "repeats str",
+        {"repeats": "3"},
+        TypeError,
+        ["measure_op_costs", "repeats must be an int", "'3'"],
+    ),
+    (
+        "repeats zero",
+        {"repeats": 0},
+        ValueError,
+        ["measure_op_costs", "repeats must be at least 1"],
+    ),
 ]
 
 OTHER = [
-    ("policy_from_costs fn None", lambda: policy_from_costs(None, _x(), memory_ratio=0.5), TypeError,
-     ["policy_from_costs", "fn must be the function or module to measure", "NoneType"]),
-    ("measure_op_costs fn str", lambda: measure_op_costs("block", _x()), TypeError,
-     ["measure_op_costs", "fn must be", "str"]),
-    ("choose_ops profile None", lambda: choose_ops(None, 100), TypeError, ["profile must be a CostProfile", "NoneType"]),
-    ("choose_ops budget negative", lambda: choose_ops(_PROFILE, -5), ValueError, ["budget_bytes must be at least 0"]),
-    ("choose_ops budget str", lambda: choose_ops(_PROFILE, "100"), TypeError, ["budget_bytes must be an int"]),
-    ("choose_ops worth str", lambda: choose_ops(_PROFILE, 100, worth="high"), TypeError, ["worth must be a number"]),
-    ("selective_contexts replay_random", lambda: selective_contexts(save_matmuls, replay_random="yes"), TypeError,
-     ["selective_contexts", "replay_random must be True or False", "'yes'"]),
-    ("selective_contexts skip_unneeded", lambda: selective_contexts(save_matmuls, skip_unneeded=1), TypeError,
-     ["selective_contexts", "skip_unneeded must be True or False", "1 (int)"]),
-    ("selective_contexts policy", lambda: selective_contexts(lambda op: True), TypeError,
-     ["<lambda>(op) cannot be called as policy(op, *args, **kwargs)"]),
-    ("megatron_attention called with torch.mm", lambda: megatron_attention(torch.mm, torch.zeros(2, 2)), TypeError,
-     ["megatron_attention is a policy", "builtin_function_or_method", "policy=megatron_attention"]),
-    ("checkpointed fn str", lambda: selective_checkpoint("block", _x(), policy=save_matmuls), TypeError,
-     ["fn must be callable", "str"]),
+    (
+        "policy_from_costs fn None",
+        lambda: policy_from_costs(None, _x(), memory_ratio=0.5),
+        TypeError,
+        ["policy_from_costs", "fn must be the function or module to measure", "NoneType"],
+    ),
+    (
+        "measure_op_costs fn str",
+        lambda: measure_op_costs("block", _x()),
+        TypeError,
+        ["measure_op_costs", "fn must be", "str"],
+    ),
+    (
+        "choose_ops profile None",
+        lambda: choose_ops(None, 100),
+        TypeError,
+        ["profile must be a CostProfile", "NoneType"],
+    ),
+    (
+        "choose_ops budget negative",
+        lambda: choose_ops(_PROFILE, -5),
+        ValueError,
+        ["budget_bytes must be at least 0"],
+    ),
+    (
+        "choose_ops budget str",
+        lambda: choose_ops(_PROFILE, "100"),
+        TypeError,
+        ["budget_bytes must be an int"],
+    ),
+    (
+        "choose_ops worth str",
+        lambda: choose_ops(_PROFILE, 100, worth="high"),
+        TypeError,
+        ["worth must be a number"],
+    ),
+    (
+        "selective_contexts replay_random",
+        lambda: selective_contexts(save_matmuls, replay_random="yes"),
+        TypeError,
+        ["selective_contexts", "replay_random must be True or False", "'yes'"],
+    ),
+    (
+        "selective_contexts skip_unneeded",
+        lambda: selective_contexts(save_matmuls, skip_unneeded=1),
+        TypeError,
+        ["selective_contexts", "skip_unneeded must be True or False", "1 (int)"],
+    ),
+    (
+        "selective_contexts policy",
+        lambda: selective_contexts(lambda op: True),
+        TypeError,
+        ["<lambda>(op) cannot be called as policy(op, *args, **kwargs)"],
+    ),
+    (
+        "megatron_attention called with torch.mm",
+        lambda: megatron_attention(torch.mm, torch.zeros(2, 2)),
+        TypeError,
+        [
+            "megatron_attention is a policy",
+            "builtin_function_or_method",
+            "policy=megatron_attention",
+        ],
+    ),
+    (
+        "checkpointed fn str",
+        lambda: selective_checkpoint("block", _x(), policy=save_matmuls),
+        TypeError,
+        ["fn must be callable", "str"],
+    ),
 ]
 
 
@@ -129,8 +285,11 @@ def _check(call, exception, words) -> None:
     assert_nothing_installed()
 
 
-@pytest.mark.parametrize("kwargs, exception, words", [row[1:] for row in SELECTIVE_CHECKPOINT],
-                         ids=[row[0] for row in SELECTIVE_CHECKPOINT])
+@pytest.mark.parametrize(
+    "kwargs, exception, words",
+    [row[1:] for row in SELECTIVE_CHECKPOINT],
+    ids=[row[0] for row in SELECTIVE_CHECKPOINT],
+)
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 def test_selective_checkpoint_rejects_at_the_call(kwargs, exception, words, grad):
     fn = Calls()
@@ -139,19 +298,25 @@ def test_selective_checkpoint_rejects_at_the_call(kwargs, exception, words, grad
     assert fn.count == 0
 
 
-MEASURING = [(policy_from_costs, *row) for row in POLICY_FROM_COSTS] + [(measure_op_costs, *row)
-                                                                         for row in MEASURE_OP_COSTS]
+MEASURING = [(policy_from_costs, *row) for row in POLICY_FROM_COSTS] + [
+    (measure_op_costs, *row) for row in MEASURE_OP_COSTS
+]
 
 
-@pytest.mark.parametrize("function, kwargs, exception, words", [(row[0], *row[2:]) for row in MEASURING],
-                         ids=[f"{row[0].__name__}: {row[1]}" for row in MEASURING])
+@pytest.mark.parametrize(
+    "function, kwargs, exception, words",
+    [(row[0], *row[2:]) for row in MEASURING],
+    ids=[f"{row[0].__name__}: {row[1]}" for row in MEASURING],
+)
 def test_measuring_functions_reject_before_measuring(function, kwargs, exception, words):
     fn = Calls()
     _check(lambda: function(fn, _x(), **kwargs), exception, words)
     assert fn.count == 0
 
 
-@pytest.mark.parametrize("call, exception, words", [row[1:] for row in OTHER], ids=[row[0] for row in OTHER])
+@pytest.mark.parametrize(
+    "call, exception, words", [row[1:] for row in OTHER], ids=[row[0] for row in OTHER]
+)
 def test_other_selective_functions_reject_at_the_call(call, exception, words):
     _check(call, exception, words)
 
@@ -162,8 +327,13 @@ def test_a_failed_call_leaves_the_plans_untouched():
     plans = SelectivePlans()
     selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
     before = repr(plans)
-    for kwargs in ({"preserve_rng_state": "no"}, {"early_stop": None}, {"debug": "loud"},
-                   {"skip_unneeded": "yes"}, {"policy": lambda op: True}):
+    for kwargs in (
+        {"preserve_rng_state": "no"},
+        {"early_stop": None},
+        {"debug": "loud"},
+        {"skip_unneeded": "yes"},
+        {"policy": lambda op: True},
+    ):
         with pytest.raises(TypeError):
             selective_checkpoint(block, x, **{"policy": save_matmuls, "plans": plans, **kwargs})
         assert repr(plans) == before
@@ -191,7 +361,13 @@ def test_plans_reuse_a_bound_method():
     for step in range(3):
         out = selective_checkpoint(block.forward, x, policy=save_matmuls, plans=plans)
         assert torch.equal(torch.autograd.grad(out.sum(), x)[0], expected)
-    assert (len(plans), plans.recorded, plans.reused, plans.fallbacks, plans.mismatches) == (1, 1, 2, 0, 0)
+    assert (len(plans), plans.recorded, plans.reused, plans.fallbacks, plans.mismatches) == (
+        1,
+        1,
+        2,
+        0,
+        0,
+    )
     # The method and the module itself are different functions: each gets its own plan.
     selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
     assert (len(plans), plans.recorded) == (2, 2)
@@ -203,8 +379,9 @@ def test_a_bound_methods_plans_die_with_its_instance():
 
     block = TransformerBlock(d_model=16, heads=2, seq=8, dropout=0.0)
     plans = SelectivePlans()
-    selective_checkpoint(block.forward, torch.randn(2, 8, 16, requires_grad=True), policy=save_matmuls,
-                         plans=plans).sum().backward()
+    selective_checkpoint(
+        block.forward, torch.randn(2, 8, 16, requires_grad=True), policy=save_matmuls, plans=plans
+    ).sum().backward()
     assert len(plans) == 1
     alive = weakref.ref(block)
     del block
@@ -215,10 +392,14 @@ def test_a_bound_methods_plans_die_with_its_instance():
 def test_plans_warn_once_where_they_cannot_help():
     x = _x()
     plans = SelectivePlans()
-    with pytest.warns(UserWarning, match=r"cannot keep plans for TensorBase.relu: .* Pass a Python function") as caught:
+    with pytest.warns(
+        UserWarning, match=r"cannot keep plans for TensorBase.relu: .* Pass a Python function"
+    ) as caught:
         for step in range(3):
-            selective_checkpoint(torch.Tensor.relu, x, policy=save_matmuls, plans=plans).sum().backward()
-    assert len(caught) == 1 and caught[0].filename == __file__     # points at the caller's line
+            selective_checkpoint(
+                torch.Tensor.relu, x, policy=save_matmuls, plans=plans
+            ).sum().backward()
+    assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller's line
     assert plans.reused == 0
 
 
@@ -229,7 +410,9 @@ def test_the_old_import_path_gives_the_same_objects():
 
     for name in new.__all__:
         assert getattr(old, name) is getattr(new, name), name
-    assert old._OpGraph is new.opgraph._OpGraph and old._signature is new.signatures._signature
+    assert (
+        old.OpGraph is new.opgraph.OpGraph and old.call_signature is new.signatures.call_signature
+    )
     assert ckptlib.selective_checkpoint is new.selective_checkpoint
     with pytest.raises(AttributeError, match="no attribute '_nothing_here'"):
         old._nothing_here
@@ -247,13 +430,19 @@ def test_a_value_read_into_python_is_named_with_the_fix():
     with pytest.raises(CheckpointError) as caught:
         selective_checkpoint(_reads_a_value_into_python, w, policy=save_matmuls).sum().backward()
     message = str(caught.value)
-    for words in ("called aten._to_copy.default 1 times", "stand-in of an op the rerun skipped",
-                  ".tolist()", "skip_unneeded=False"):
+    for words in (
+        "called aten._to_copy.default 1 times",
+        "stand-in of an op the rerun skipped",
+        ".tolist()",
+        "skip_unneeded=False",
+    ):
         assert words in message, message
     assert_nothing_installed()
     # The fix the message names: every op reruns, and the gradient is plain autograd's.
     expected = torch.autograd.grad(_reads_a_value_into_python(w).sum(), w)[0]
-    out = selective_checkpoint(_reads_a_value_into_python, w, policy=save_matmuls, skip_unneeded=False)
+    out = selective_checkpoint(
+        _reads_a_value_into_python, w, policy=save_matmuls, skip_unneeded=False
+    )
     assert torch.equal(torch.autograd.grad(out.sum(), w)[0], expected)
 
 
@@ -262,7 +451,7 @@ def test_an_extra_op_on_real_tensors_is_named_as_a_branch_not_a_skipped_value():
 
     def branches(t):
         if is_recomputing():
-            t.exp()                 # an op the rerun calls and the forward pass did not
+            t.exp()  # an op the rerun calls and the forward pass did not
         return (t @ t).relu()
 
     with pytest.raises(CheckpointError) as caught:

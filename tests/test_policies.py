@@ -1,4 +1,6 @@
-"""Selective checkpointing (ckptlib.selective): gradients, what is replayed, and when the cache dies."""
+"""Selective checkpointing (ckptlib.selective): gradients, what is replayed, and when the cache
+dies."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,8 +21,18 @@ from ckptlib.checkpoint import CheckpointError, checkpoint, is_recomputing
 from ckptlib.memory import MemoryMeter
 from ckptlib.models import TransformerBlock
 from ckptlib.selective import (
-    CostProfile, OpCall, OpCost, SaveChosenOps, SelectivePlans, choose_ops, measure_op_costs, megatron_attention,
-    policy_from_costs, save_matmuls, selective_checkpoint, selective_contexts,
+    CostProfile,
+    OpCall,
+    OpCost,
+    SaveChosenOps,
+    SelectivePlans,
+    choose_ops,
+    measure_op_costs,
+    megatron_attention,
+    policy_from_costs,
+    save_matmuls,
+    selective_checkpoint,
+    selective_contexts,
 )
 
 from tests.test_checkpoint import UNARY, assert_bitwise, grads_of, saved_hooks_installed
@@ -77,8 +89,15 @@ POLICIES = {
     "megatron_attention": megatron_attention,
     "nothing (full checkpoint)": set(),
     "everything": lambda op, *args, **kwargs: True,
-    "views and in-place ops only": {aten.view, aten.t, aten.transpose, aten.expand, aten._unsafe_view,
-                                    aten.div_, aten.bernoulli_},
+    "views and in-place ops only": {
+        aten.view,
+        aten.t,
+        aten.transpose,
+        aten.expand,
+        aten._unsafe_view,
+        aten.div_,
+        aten.bernoulli_,
+    },
 }
 
 
@@ -99,7 +118,9 @@ def test_policy_from_costs_gradients_equal_plain_bitwise():
     policy = policy_from_costs(block, x, memory_ratio=0.5, repeats=1)
     assert policy.chosen and 0 < policy.used_bytes <= policy.budget_bytes
     expected = grads(plain, block, x)
-    assert_bitwise_equal(grads(lambda b, inp: selective_checkpoint(b, inp, policy=policy), block, x), expected)
+    assert_bitwise_equal(
+        grads(lambda b, inp: selective_checkpoint(b, inp, policy=policy), block, x), expected
+    )
 
 
 def test_caller_rng_stream_is_not_moved():
@@ -157,7 +178,9 @@ def test_random_op_replay_moves_the_generator_like_the_op():
     expected = torch.autograd.grad(fn(x).sum(), x)[0]
     with OpCounter() as counter:
         torch.manual_seed(0)
-        (actual,) = torch.autograd.grad(selective_checkpoint(fn, x, policy={aten.rand_like}).sum(), x)
+        (actual,) = torch.autograd.grad(
+            selective_checkpoint(fn, x, policy={aten.rand_like}).sum(), x
+        )
     assert torch.equal(actual, expected)
     assert counter.recompute["rand_like"] == 0 and counter.recompute["bernoulli"] == 1
 
@@ -194,7 +217,9 @@ def test_random_ops_are_rerun_without_rng_replay():
 
     x = torch.randn(10, requires_grad=True)
     with OpCounter() as counter:
-        selective_checkpoint(fn, x, policy={aten.rand_like}, preserve_rng_state=False).sum().backward()
+        selective_checkpoint(
+            fn, x, policy={aten.rand_like}, preserve_rng_state=False
+        ).sum().backward()
     assert counter.recompute["rand_like"] == 1
 
 
@@ -203,14 +228,14 @@ def test_output_modified_in_place_after_saving_is_recomputed():
 
     def fn(t):
         y = t @ w
-        y.mul_(3)            # the cached mm output is now 3x the mm: stale
+        y.mul_(3)  # the cached mm output is now 3x the mm: stale
         return y.sin()
 
     x = torch.randn(4, 8, requires_grad=True)
     expected = torch.autograd.grad(fn(x).sum(), (x, w))
     forward_mode, recompute_mode = selective_contexts({aten.mm})
     out = checkpoint(fn, x, context_fn=lambda: (forward_mode, recompute_mode))
-    assert forward_mode.cache.saved[aten.mm.default] == {}   # dropped when forward ended
+    assert forward_mode.cache.saved[aten.mm.default] == {}  # dropped when forward ended
     with OpCounter() as counter:
         actual = torch.autograd.grad(out.sum(), (x, w))
     assert_bitwise_equal(list(actual), list(expected))
@@ -219,8 +244,8 @@ def test_output_modified_in_place_after_saving_is_recomputed():
 
 def test_view_of_saved_output_modified_in_place_later():
     def fn(t):
-        y = t * 2            # mul by a number saves nothing, so y may be modified in place
-        y[0].zero_()         # through a view of the saved output
+        y = t * 2  # mul by a number saves nothing, so y may be modified in place
+        y[0].zero_()  # through a view of the saved output
         return y.sin()
 
     x = torch.randn(4, 8, requires_grad=True)
@@ -255,7 +280,7 @@ def test_dropping_the_graph_frees_the_cache():
     x = torch.randn(64, 64, requires_grad=True)
     with MemoryMeter() as meter:
         out = selective_checkpoint(lambda t: (t @ t).relu() @ t, x, policy=save_matmuls)
-        assert meter.live_bytes == 2 * 64 * 64 * 4   # the first mm in the cache, the output
+        assert meter.live_bytes == 2 * 64 * 64 * 4  # the first mm in the cache, the output
         del out
         assert meter.live_bytes == 0
 
@@ -265,14 +290,16 @@ def test_changed_control_flow_raises():
 
     def fn(t):
         calls.append(None)
-        if len(calls) > 1:   # one more mm in the recomputation
+        if len(calls) > 1:  # one more mm in the recomputation
             with torch.no_grad():
                 t @ t
         return (t @ t).relu()
 
     x = torch.randn(4, 4, requires_grad=True)
     out = selective_checkpoint(fn, x, policy=save_matmuls)
-    with pytest.raises(CheckpointError, match=r"recomputation called aten.mm.default 2 times, the forward"):
+    with pytest.raises(
+        CheckpointError, match=r"recomputation called aten.mm.default 2 times, the forward"
+    ):
         out.sum().backward()
 
 
@@ -280,7 +307,9 @@ def test_changed_shapes_raise():
     sizes = [4, 2]
 
     def fn(t):
-        with torch.no_grad():   # nothing saved here, so ckptlib.checkpoint's own checks cannot see it
+        with (
+            torch.no_grad()
+        ):  # nothing saved here, so ckptlib.checkpoint's own checks cannot see it
             scale = (t[: sizes.pop(0)] @ t.T).sum()
         return t.sin() * scale
 
@@ -290,11 +319,14 @@ def test_changed_shapes_raise():
         out.sum().backward()
 
 
-@pytest.mark.parametrize("policy, message", [
-    ({torch.mm}, "not an aten op"),
-    (["aten.mm"], "not an aten op"),
-    ("aten.mm", "must be a callable"),
-])
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ({torch.mm}, "not an aten op"),
+        (["aten.mm"], "not an aten op"),
+        ("aten.mm", "must be a callable"),
+    ],
+)
 def test_bad_policies_are_rejected(policy, message):
     x = torch.randn(2, 2, requires_grad=True)
     with pytest.raises(TypeError, match=message):
@@ -348,11 +380,18 @@ def test_measure_op_costs_per_call_signature():
     relu = profile.ops[OpCall(aten.relu.default, ((16, 64),))]
     last = profile.ops[OpCall(aten.mm.default, ((16, 64), (64, 8)))]
     # The last mm's output is the function's output, alive anyway: caching it costs no bytes.
-    assert (first.calls, first.output_bytes, relu.output_bytes, last.output_bytes) == (1, 4096, 4096, 0)
+    assert (first.calls, first.output_bytes, relu.output_bytes, last.output_bytes) == (
+        1,
+        4096,
+        4096,
+        0,
+    )
     assert first.time_s > 0 and relu.time_s > 0
     # The last mm starts after autograd saved its last tensor: a rerun stops before it.
     assert last.time_s == 0
-    assert profile.activation_bytes == 16 * 64 * 4     # relu's output; x and the weights are no activations
+    assert (
+        profile.activation_bytes == 16 * 64 * 4
+    )  # relu's output; x and the weights are no activations
     assert "aten.mm.default(16x32, 32x64)" in str(profile)
 
 
@@ -360,28 +399,40 @@ def test_measure_op_costs_does_not_count_a_transposed_weight_as_an_activation():
     # F.linear saves weight.t(), a view of the parameter: it allocates nothing, and counting
     # it inflated activation_bytes, so memory_ratio=0.5 let the cost policy keep more than half.
     lin = torch.nn.Linear(32, 64)
-    x = torch.randn(16, 32, requires_grad=True)   # so addmm saves weight.t() to compute x's gradient
+    x = torch.randn(16, 32, requires_grad=True)  # so addmm saves weight.t() to compute x's gradient
     profile = measure_op_costs(lambda t: lin(t).relu(), x, repeats=1)
-    assert profile.activation_bytes == 16 * 64 * 4     # relu's output only
+    assert profile.activation_bytes == 16 * 64 * 4  # relu's output only
 
 
 def test_choose_ops_is_greedy_by_time_per_byte_and_deterministic():
     def call(op):
         return OpCall(op, ((4, 4),))
 
-    ops = {call(aten.addmm.default): OpCost(4, 0.050, 9000), call(aten.gelu.default): OpCost(1, 0.004, 4000),
-           call(aten.mul.Tensor): OpCost(1, 0.001, 4000), call(aten.add.Tensor): OpCost(2, 0.0005, 2000),
-           call(aten.clone.default): OpCost(2, 0.0005, 2000), call(aten.sin.default): OpCost(1, 0.0, 10)}
+    ops = {
+        call(aten.addmm.default): OpCost(4, 0.050, 9000),
+        call(aten.gelu.default): OpCost(1, 0.004, 4000),
+        call(aten.mul.Tensor): OpCost(1, 0.001, 4000),
+        call(aten.add.Tensor): OpCost(2, 0.0005, 2000),
+        call(aten.clone.default): OpCost(2, 0.0005, 2000),
+        call(aten.sin.default): OpCost(1, 0.0, 10),
+    }
     profile = CostProfile(ops, activation_bytes=30000)
     assert choose_ops(profile, 9000).chosen == {call(aten.addmm.default)}
-    # gelu fits, mul does not any more; add and clone tie on time per byte: name order, only add fits.
+    # gelu fits, mul does not any more; add and clone tie on time per byte: name order, only add
+    # fits.
     policy = choose_ops(profile, 15000)
-    assert policy.chosen == {call(aten.addmm.default), call(aten.gelu.default), call(aten.add.Tensor)}
+    assert policy.chosen == {
+        call(aten.addmm.default),
+        call(aten.gelu.default),
+        call(aten.add.Tensor),
+    }
     assert policy.used_bytes == 15000
-    assert choose_ops(profile, 10**9).chosen == set(ops) - {call(aten.sin.default)}   # saves no time
+    assert choose_ops(profile, 10**9).chosen == set(ops) - {call(aten.sin.default)}  # saves no time
     assert choose_ops(profile, 0).chosen == frozenset()
     assert choose_ops(CostProfile(dict(reversed(ops.items())), 30000), 15000) == policy
-    assert policy(aten.gelu.default, torch.zeros(4, 4)) and not policy(aten.gelu.default, torch.zeros(4, 5))
+    assert policy(aten.gelu.default, torch.zeros(4, 4)) and not policy(
+        aten.gelu.default, torch.zeros(4, 5)
+    )
 
 
 def test_policy_from_costs_needs_exactly_one_budget():
@@ -405,20 +456,26 @@ def test_rerun_skips_the_ops_that_only_fed_a_kept_output():
     y = selective_checkpoint(block, x, policy={aten._softmax})
     with OpCounter() as ours:
         y.sum().backward()
-    torch_y = torch_checkpoint(block, x, use_reentrant=False, context_fn=functools.partial(
-        create_selective_checkpoint_contexts, [aten._softmax.default]))
-    with OpCounter() as theirs:      # torch's rerun is not ckptlib's: all its ops count as "other"
+    torch_y = torch_checkpoint(
+        block,
+        x,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, [aten._softmax.default]),
+    )
+    with OpCounter() as theirs:  # torch's rerun is not ckptlib's: all its ops count as "other"
         torch_y.sum().backward()
     ran = ours.recompute
     assert ran["_softmax"] == ran["masked_fill"] == ran["mul"] == 0
-    assert ran["bmm"] == 1                                     # weights @ v: its output is needed
-    assert ran["addmm"] == 3 and ran["native_layer_norm"] == 2   # the rest still reruns
+    assert ran["bmm"] == 1  # weights @ v: its output is needed
+    assert ran["addmm"] == 3 and ran["native_layer_norm"] == 2  # the rest still reruns
     ours_total = ours.recompute + ours.other
     for op, skipped in {"masked_fill": 1, "bmm": 1, "mul": 1}.items():
         assert theirs.other[op] - ours_total[op] == skipped, op
 
 
-@pytest.mark.parametrize("policy", [{aten._softmax}, {aten.clone}, {aten.addmm, aten.add}, save_matmuls])
+@pytest.mark.parametrize(
+    "policy", [{aten._softmax}, {aten.clone}, {aten.addmm, aten.add}, save_matmuls]
+)
 def test_skipping_keeps_gradients_bitwise(policy):
     block = make_block(0.1)
     x = torch.randn(2, 16, 32, requires_grad=True)
@@ -459,11 +516,13 @@ def test_plan_is_made_only_when_the_checkpoint_reports_saved_tensors():
     forward_mode, recompute_mode = selective_contexts({aten._softmax})
     block = make_block(0.0)
     x = torch.randn(2, 16, 32, requires_grad=True)
-    y = torch_checkpoint(block, x, use_reentrant=False, context_fn=lambda: (forward_mode, recompute_mode))
+    y = torch_checkpoint(
+        block, x, use_reentrant=False, context_fn=lambda: (forward_mode, recompute_mode)
+    )
     assert forward_mode.cache.skippable is None
     with OpCounter() as counter:
         y.sum().backward()
-    assert counter.other["masked_fill"] == 2       # rerun and backward
+    assert counter.other["masked_fill"] == 2  # rerun and backward
     forward_mode, _ = selective_contexts({aten._softmax})
     assert callable(forward_mode.observe_saved_tensors())
 
@@ -472,9 +531,24 @@ def test_plan_is_made_only_when_the_checkpoint_reports_saved_tensors():
 # Random chains of ops, random policies
 # ---------------------------------------------------------------------------
 
-POLICY_OPS = [aten.mm, aten.sin, aten.exp, aten.tanh, aten.relu, aten.mul, aten._softmax, aten.gelu,
-              aten.native_layer_norm, aten.clone, aten.clamp, aten.bernoulli_, aten.div_, aten.expand,
-              aten.slice, aten.transpose]
+POLICY_OPS = [
+    aten.mm,
+    aten.sin,
+    aten.exp,
+    aten.tanh,
+    aten.relu,
+    aten.mul,
+    aten._softmax,
+    aten.gelu,
+    aten.native_layer_norm,
+    aten.clone,
+    aten.clamp,
+    aten.bernoulli_,
+    aten.div_,
+    aten.expand,
+    aten.slice,
+    aten.transpose,
+]
 
 
 @settings(max_examples=40, deadline=None)
@@ -497,7 +571,9 @@ def test_random_chains_and_policies_match_plain_bitwise(ops, shape, split, polic
         return chain(wrap(lambda t: chain(t, ops[:split]), x), ops[split:])
 
     expected = grads_of(lambda: run(lambda f, t: f(t)), [x], seed=1)
-    actual = grads_of(lambda: run(lambda f, t: selective_checkpoint(f, t, policy=policy)), [x], seed=1)
+    actual = grads_of(
+        lambda: run(lambda f, t: selective_checkpoint(f, t, policy=policy)), [x], seed=1
+    )
     assert_bitwise(expected, actual)
     assert not saved_hooks_installed()
 
@@ -519,8 +595,10 @@ def two_halves_profile() -> CostProfile:
 
     profile = measure_op_costs(f, x, repeats=1)
     seconds = {"mm": 1.0, "exp": 0.01}
-    profile.graph.calls = [call._replace(seconds=seconds.get(call.key[0].overloadpacket.__name__, 0.0))
-                           for call in profile.graph.calls]
+    profile.graph.calls = [
+        call._replace(seconds=seconds.get(call.key[0].overloadpacket.__name__, 0.0))
+        for call in profile.graph.calls
+    ]
     return profile
 
 
@@ -536,7 +614,9 @@ def test_choose_ops_finds_outputs_that_only_pay_off_together():
 
 def test_choose_ops_keeps_nothing_not_worth_its_bytes():
     profile = two_halves_profile()
-    assert not choose_ops(profile, budget_bytes=10**9, worth=2.0).chosen   # nothing saves 2x the average
+    assert not choose_ops(
+        profile, budget_bytes=10**9, worth=2.0
+    ).chosen  # nothing saves 2x the average
     assert choose_ops(profile, budget_bytes=10**9, worth=0.0).chosen
 
 
@@ -574,9 +654,15 @@ def test_skipping_with_nested_checkpoints_inside(policy):
         return h.tanh() + a
 
     expected = grads_of(lambda: outer(x), [x, w])
-    assert_bitwise(expected, grads_of(lambda: selective_checkpoint(outer, x, policy=policy), [x, w]))
-    assert_bitwise(expected, grads_of(
-        lambda: checkpoint(lambda t: selective_checkpoint(outer, t, policy=policy), x), [x, w]))
+    assert_bitwise(
+        expected, grads_of(lambda: selective_checkpoint(outer, x, policy=policy), [x, w])
+    )
+    assert_bitwise(
+        expected,
+        grads_of(
+            lambda: checkpoint(lambda t: selective_checkpoint(outer, t, policy=policy), x), [x, w]
+        ),
+    )
     assert not saved_hooks_installed()
 
 
@@ -613,26 +699,53 @@ def token_loss(embedding: torch.nn.Embedding, tokens: torch.Tensor) -> torch.Ten
 
 
 def other_module(model: str) -> tuple[Callable, torch.Tensor, list[torch.Tensor]]:
-    """``(fn, input, tensors to differentiate)``: an encoder layer, fused attention or an embedding loss."""
+    """``(fn, input, tensors to differentiate)``: an encoder layer, fused attention or an embedding
+    loss."""
     torch.manual_seed(0)
     if model == "embedding_loss":
         embedding = torch.nn.Embedding(50, 32)
-        return functools.partial(token_loss, embedding), torch.randint(50, (2, 8)), [embedding.weight]
-    module = (torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
-              if model == "encoder_layer" else FusedAttention())
+        return (
+            functools.partial(token_loss, embedding),
+            torch.randint(50, (2, 8)),
+            [embedding.weight],
+        )
+    module = (
+        torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        if model == "encoder_layer"
+        else FusedAttention()
+    )
     inp = torch.randn(2, 8, 32, requires_grad=True)
     return module, inp, [inp, *module.parameters()]
 
 
-@pytest.mark.parametrize("policy", [
-    set(), save_matmuls, megatron_attention, {aten._softmax, aten.clone, aten.add}, {aten.native_layer_norm},
-    {aten._scaled_dot_product_flash_attention_for_cpu}, lambda op, *args, **kwargs: True,
-], ids=["nothing", "save_matmuls", "megatron", "softmax_clone_add", "layer_norm", "fused_attention", "everything"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        set(),
+        save_matmuls,
+        megatron_attention,
+        {aten._softmax, aten.clone, aten.add},
+        {aten.native_layer_norm},
+        {aten._scaled_dot_product_flash_attention_for_cpu},
+        lambda op, *args, **kwargs: True,
+    ],
+    ids=[
+        "nothing",
+        "save_matmuls",
+        "megatron",
+        "softmax_clone_add",
+        "layer_norm",
+        "fused_attention",
+        "everything",
+    ],
+)
 @pytest.mark.parametrize("model", ["encoder_layer", "fused_attention", "embedding_loss"])
 def test_skipping_on_other_modules_matches_plain_bitwise(model, policy):
     fn, inp, tensors = other_module(model)
     expected = grads_of(lambda: fn(inp), tensors, seed=1)
-    assert_bitwise(expected, grads_of(lambda: selective_checkpoint(fn, inp, policy=policy), tensors, seed=1))
+    assert_bitwise(
+        expected, grads_of(lambda: selective_checkpoint(fn, inp, policy=policy), tensors, seed=1)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -657,16 +770,27 @@ class ForwardModeCalls:
 
 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-@pytest.mark.parametrize("policy", [save_matmuls, megatron_attention, SOFTMAX_CLONE_ADD, {aten._softmax}, set(),
-                                    lambda op, *args, **kwargs: True],
-                         ids=["save_matmuls", "megatron", "softmax_clone_add", "softmax", "nothing", "everything"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        save_matmuls,
+        megatron_attention,
+        SOFTMAX_CLONE_ADD,
+        {aten._softmax},
+        set(),
+        lambda op, *args, **kwargs: True,
+    ],
+    ids=["save_matmuls", "megatron", "softmax_clone_add", "softmax", "nothing", "everything"],
+)
 def test_reused_plans_give_gradients_bitwise_equal_to_plain(policy, dropout):
     block = make_block(dropout)
     x = torch.randn(2, 16, 32, requires_grad=True)
     expected = grads(plain, block, x)
     plans = SelectivePlans()
-    for step in range(3):      # the chain calls the block twice: 1 recording, then 5 reuses
-        actual = grads(lambda b, inp: selective_checkpoint(b, inp, policy=policy, plans=plans), block, x)
+    for step in range(3):  # the chain calls the block twice: 1 recording, then 5 reuses
+        actual = grads(
+            lambda b, inp: selective_checkpoint(b, inp, policy=policy, plans=plans), block, x
+        )
         assert_bitwise_equal(actual, expected)
     assert (plans.recorded, plans.reused, plans.fallbacks, plans.mismatches) == (1, 5, 0, 0)
     assert len(plans) == 1
@@ -685,7 +809,7 @@ def test_reused_call_runs_no_forward_mode_and_reruns_like_the_recording(monkeypa
         with OpCounter() as counter:
             y.sum().backward()
         ran.append(counter.recompute)
-    assert kept[0] > 0 and kept[1] == 0           # the reused call's forward saw no dispatch mode
+    assert kept[0] > 0 and kept[1] == 0  # the reused call's forward saw no dispatch mode
     # The reused rerun skips and replays exactly what the recording call's did: only the layer
     # norms, the first MLP linear and the GELU run again (the softmax, q/k/v and the residual
     # sum are saved by autograd, so they come back from the saved tensors).
@@ -719,16 +843,23 @@ def test_changed_saved_tensors_fall_back_to_full_recompute_and_stop_reusing():
     def f(t):
         h = (t @ w).tanh()
         if flags["sin"]:
-            h = h.sin()      # saves its input: the saved tensors differ from the plan's
+            h = h.sin()  # saves its input: the saved tensors differ from the plan's
         return h @ w
 
     plans = SelectivePlans()
     # (recorded, reused, fallbacks): after the fallback, the signature runs without plans
-    for sin, expected_counts in [(False, (1, 0, 0)), (False, (1, 1, 0)), (True, (1, 2, 1)), (True, (1, 2, 1)),
-                                 (False, (1, 2, 1))]:
+    for sin, expected_counts in [
+        (False, (1, 0, 0)),
+        (False, (1, 1, 0)),
+        (True, (1, 2, 1)),
+        (True, (1, 2, 1)),
+        (False, (1, 2, 1)),
+    ]:
         flags["sin"] = sin
         expected = grads_of(lambda: f(x), [x, w], seed=0)
-        actual = grads_of(lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans), [x, w], seed=0)
+        actual = grads_of(
+            lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans), [x, w], seed=0
+        )
         assert_bitwise(expected, actual)
         assert (plans.recorded, plans.reused, plans.fallbacks) == expected_counts
     assert len(plans) == 0
@@ -742,11 +873,11 @@ def test_changed_ops_with_the_same_saved_tensors_rerun_as_full_checkpointing():
     def f(t):
         scale = torch.full((4, 8), 2.0)
         if flags["twice"]:
-            scale = scale.neg().neg()   # no grad: no autograd node, nothing saved
+            scale = scale.neg().neg()  # no grad: no autograd node, nothing saved
         return ((t @ w) * scale) @ w
 
     plans = SelectivePlans()
-    with OpCounter():     # the caller's dispatch modes are part of the signature: the same here
+    with OpCounter():  # the caller's dispatch modes are part of the signature: the same here
         selective_checkpoint(f, x, policy=save_matmuls, plans=plans).sum().backward()
     flags["twice"] = True
     counters = []
@@ -754,15 +885,23 @@ def test_changed_ops_with_the_same_saved_tensors_rerun_as_full_checkpointing():
         x.grad = w.grad = None
         expected = grads_of(lambda: f(x), [x, w], seed=0)
         with OpCounter() as counter:
-            actual = grads_of(lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans), [x, w], seed=0)
+            actual = grads_of(
+                lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans), [x, w], seed=0
+            )
         assert_bitwise(expected, actual)
         assert not saved_hooks_installed()
         counters.append(counter.recompute)
     # The saved tensors matched the plan; the rerun met an op the plan does not have, dropped
     # the cached outputs and ran the function again as full checkpointing does.
-    assert (plans.recorded, plans.reused, plans.fallbacks, plans.mismatches, len(plans)) == (1, 1, 0, 1, 0)
+    assert (plans.recorded, plans.reused, plans.fallbacks, plans.mismatches, len(plans)) == (
+        1,
+        1,
+        0,
+        1,
+        0,
+    )
     assert counters[0]["full"] == 2 and counters[0]["neg"] == 2 and counters[0]["mm"] == 1
-    assert counters[1]["full"] == 1 and counters[1]["mm"] == 0     # then: no plans, plain selective
+    assert counters[1]["full"] == 1 and counters[1]["mm"] == 0  # then: no plans, plain selective
 
 
 def test_changed_node_order_falls_back_in_forward():
@@ -773,7 +912,7 @@ def test_changed_node_order_falls_back_in_forward():
     def f(t):
         h = torch.neg(t @ w)
         if flags["twice"]:
-            h = torch.neg(h)    # saves nothing, but it is an autograd node: later ones move
+            h = torch.neg(h)  # saves nothing, but it is an autograd node: later ones move
         return h @ w
 
     plans = SelectivePlans()
@@ -781,8 +920,12 @@ def test_changed_node_order_falls_back_in_forward():
     flags["twice"] = True
     x.grad = w.grad = None
     expected = grads_of(lambda: f(x), [x, w], seed=0)
-    assert_bitwise(expected, grads_of(lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans),
-                                      [x, w], seed=0))
+    assert_bitwise(
+        expected,
+        grads_of(
+            lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans), [x, w], seed=0
+        ),
+    )
     assert (plans.fallbacks, plans.mismatches) == (1, 0)
 
 
@@ -803,8 +946,14 @@ def test_cached_output_is_never_rebuilt_from_another_ops_tensor():
     for swap in (False, True, True):
         flags["swap"] = swap
         expected = grads_of(lambda: f(x), [x, w1, w2, w3], seed=0)
-        assert_bitwise(expected, grads_of(lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans),
-                                          [x, w1, w2, w3], seed=0))
+        assert_bitwise(
+            expected,
+            grads_of(
+                lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans),
+                [x, w1, w2, w3],
+                seed=0,
+            ),
+        )
     assert plans.fallbacks == 1
 
 
@@ -816,19 +965,25 @@ def test_rerun_that_needs_a_skipped_result_runs_again_without_skipping():
 
     def f(t):
         q = t @ w
-        k = q.exp()                     # kept: q is not needed for k...
-        mask = torch.ones(4, 8, device=q.device).tril()   # ...except for its device
+        k = q.exp()  # kept: q is not needed for k...
+        mask = torch.ones(4, 8, device=q.device).tril()  # ...except for its device
         return (k * mask).sin()
 
     expected = grads_of(lambda: f(x), [x, w], seed=0)
     with OpCounter() as counter:
         actual = grads_of(lambda: selective_checkpoint(f, x, policy={aten.exp}), [x, w], seed=0)
     assert_bitwise(expected, actual)
-    assert counter.recompute["tril"] == 2 and counter.recompute["mm"] == 1   # two runs, the second in full
+    assert (
+        counter.recompute["tril"] == 2 and counter.recompute["mm"] == 1
+    )  # two runs, the second in full
     plans = SelectivePlans()
     for step in range(3):
-        assert_bitwise(expected, grads_of(lambda: selective_checkpoint(f, x, policy={aten.exp}, plans=plans),
-                                          [x, w], seed=0))
+        assert_bitwise(
+            expected,
+            grads_of(
+                lambda: selective_checkpoint(f, x, policy={aten.exp}, plans=plans), [x, w], seed=0
+            ),
+        )
     assert (plans.recorded, plans.reused, plans.mismatches) == (1, 1, 1)
 
 
@@ -838,11 +993,13 @@ def test_plans_are_per_signature():
     for shape in [(2, 16, 32), (2, 16, 32), (3, 16, 32), (2, 8, 32)]:
         x = torch.randn(*shape, requires_grad=True)
         selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
-    x = torch.randn(2, 16, 32)                  # no requires_grad: another signature
+    x = torch.randn(2, 16, 32)  # no requires_grad: another signature
     selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
-    block.eval()                                # dropout off: another signature
+    block.eval()  # dropout off: another signature
     selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
-    selective_checkpoint(block, x, policy={aten._softmax}, plans=plans).sum().backward()   # another policy
+    selective_checkpoint(
+        block, x, policy={aten._softmax}, plans=plans
+    ).sum().backward()  # another policy
     assert (len(plans), plans.recorded, plans.reused, plans.fallbacks) == (6, 6, 1, 0)
 
 
@@ -877,7 +1034,9 @@ def test_reused_plans_under_bf16_autocast():
     x = torch.randn(2, 16, 32, requires_grad=True)
 
     def step(run):
-        with torch.autocast("cpu", dtype=torch.bfloat16):    # a new region: the weights are cast again
+        with torch.autocast(
+            "cpu", dtype=torch.bfloat16
+        ):  # a new region: the weights are cast again
             out = run(block, x)
         out.float().sum().backward()
         return take_grads(x, block)
@@ -885,8 +1044,12 @@ def test_reused_plans_under_bf16_autocast():
     expected = step(plain)
     plans = SelectivePlans()
     for _ in range(3):
-        assert_bitwise_equal(step(lambda b, inp: selective_checkpoint(b, inp, policy=SOFTMAX_CLONE_ADD,
-                                                                      plans=plans)), expected)
+        assert_bitwise_equal(
+            step(
+                lambda b, inp: selective_checkpoint(b, inp, policy=SOFTMAX_CLONE_ADD, plans=plans)
+            ),
+            expected,
+        )
     assert (plans.recorded, plans.reused, plans.fallbacks) == (1, 2, 0)
     # Twice in one autocast region, the second call reuses the first's weight casts: it makes
     # fewer autograd nodes, so its saved tensors do not match the plan: it falls back, correctly.
@@ -894,10 +1057,16 @@ def test_reused_plans_under_bf16_autocast():
         expected = grads(plain, block, x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         twice = SelectivePlans()
-        actual = grads(lambda b, inp: selective_checkpoint(b, inp, policy=SOFTMAX_CLONE_ADD, plans=twice), block, x)
+        actual = grads(
+            lambda b, inp: selective_checkpoint(b, inp, policy=SOFTMAX_CLONE_ADD, plans=twice),
+            block,
+            x,
+        )
     assert_bitwise_equal(actual, expected)
     assert twice.fallbacks == 1
-    selective_checkpoint(block, x, policy=SOFTMAX_CLONE_ADD, plans=plans).sum().backward()  # no autocast
+    selective_checkpoint(
+        block, x, policy=SOFTMAX_CLONE_ADD, plans=plans
+    ).sum().backward()  # no autocast
     assert plans.recorded == 2
 
 
@@ -906,14 +1075,29 @@ def test_reused_plans_on_other_modules_match_plain_bitwise(model):
     fn, inp, tensors = other_module(model)
     expected = grads_of(lambda: fn(inp), tensors, seed=1)
     plans = SelectivePlans()
-    for policy in (save_matmuls, megatron_attention, SOFTMAX_CLONE_ADD, lambda op, *args, **kwargs: True):
+    for policy in (
+        save_matmuls,
+        megatron_attention,
+        SOFTMAX_CLONE_ADD,
+        lambda op, *args, **kwargs: True,
+    ):
         for step in range(2):
-            assert_bitwise(expected, grads_of(lambda: selective_checkpoint(fn, inp, policy=policy, plans=plans),
-                                              tensors, seed=1))
+            assert_bitwise(
+                expected,
+                grads_of(
+                    lambda: selective_checkpoint(fn, inp, policy=policy, plans=plans),
+                    tensors,
+                    seed=1,
+                ),
+            )
     # The math attention makes its causal mask with ones(device=q.device): with softmax, clone
     # and add kept, a reused plan skips q, the mask lands on the meta device and that rerun runs
     # again without skipping (one mismatch); the gradients are right every time.
-    assert (plans.reused, plans.fallbacks, plans.mismatches) == (4, 0, int(model == "fused_attention"))
+    assert (plans.reused, plans.fallbacks, plans.mismatches) == (
+        4,
+        0,
+        int(model == "fused_attention"),
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -933,7 +1117,9 @@ def test_random_chains_with_reused_plans_match_plain_bitwise(ops, shape, policy)
     expected = grads_of(lambda: chain(x).exp(), [x], seed=1)
     plans = SelectivePlans()
     for step in range(3):
-        actual = grads_of(lambda: selective_checkpoint(chain, x, policy=policy, plans=plans).exp(), [x], seed=1)
+        actual = grads_of(
+            lambda: selective_checkpoint(chain, x, policy=policy, plans=plans).exp(), [x], seed=1
+        )
         assert_bitwise(expected, actual)
     assert plans.mismatches == 0 and not saved_hooks_installed()
 
@@ -943,12 +1129,17 @@ def test_bad_plans_arguments():
     with pytest.raises(TypeError, match="plans must be a SelectivePlans"):
         selective_checkpoint(torch.sin, x, policy=set(), plans={})
     with pytest.raises(ValueError, match="needs skip_unneeded=True"):
-        selective_checkpoint(torch.sin, x, policy=set(), plans=SelectivePlans(), skip_unneeded=False)
+        selective_checkpoint(
+            torch.sin, x, policy=set(), plans=SelectivePlans(), skip_unneeded=False
+        )
     plans = SelectivePlans()
     with pytest.warns(UserWarning, match="cannot keep plans for TensorBase.sin"):
-        for step in range(2):  # a method descriptor cannot be weakly referenced: never reused, no error
+        for step in range(
+            2
+        ):  # a method descriptor cannot be weakly referenced: never reused, no error
             selective_checkpoint(torch.Tensor.sin, x, policy=set(), plans=plans).sum().backward()
     assert len(plans) == 0 and plans.reused == 0
+
     def g(t, extra):
         return t.sin()
 
@@ -976,8 +1167,12 @@ def test_a_forward_that_raised_records_no_plan():
     fail["now"] = False
     expected = grads_of(lambda: f(x), [x, w], seed=0)
     for step in range(2):
-        assert_bitwise(expected, grads_of(lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans),
-                                          [x, w], seed=0))
+        assert_bitwise(
+            expected,
+            grads_of(
+                lambda: selective_checkpoint(f, x, policy=save_matmuls, plans=plans), [x, w], seed=0
+            ),
+        )
     assert (plans.recorded, plans.reused, plans.fallbacks) == (1, 1, 0)
 
 
@@ -989,7 +1184,7 @@ def test_plans_are_per_ambient_dispatch_mode():
     block = make_block(0.0)
     x = torch.randn(2, 16, 32, requires_grad=True)
 
-    def step(run):     # .backward(): FlopCounterMode's module tracking does not support autograd.grad
+    def step(run):  # .backward(): FlopCounterMode's module tracking does not support autograd.grad
         run().square().sum().backward()
         return take_grads(x, block)
 
@@ -997,9 +1192,17 @@ def test_plans_are_per_ambient_dispatch_mode():
     plans = SelectivePlans()
     for counting in (False, True, False, True):
         with FlopCounterMode(display=False) if counting else contextlib.nullcontext():
-            actual = step(lambda: selective_checkpoint(block, x, policy=SOFTMAX_CLONE_ADD, plans=plans))
+            actual = step(
+                lambda: selective_checkpoint(block, x, policy=SOFTMAX_CLONE_ADD, plans=plans)
+            )
         assert_bitwise_equal(actual, expected)
-    assert (len(plans), plans.recorded, plans.reused, plans.fallbacks, plans.mismatches) == (2, 2, 2, 0, 0)
+    assert (len(plans), plans.recorded, plans.reused, plans.fallbacks, plans.mismatches) == (
+        2,
+        2,
+        2,
+        0,
+        0,
+    )
 
 
 @pytest.mark.parametrize("policy", [set(), {aten._softmax}, {aten.mm}, {aten.sin, aten.mul}])
@@ -1025,9 +1228,19 @@ def test_reused_plans_with_nested_checkpoints(policy):
 
     expected = grads_of(lambda: outer(x), [x, w])
     for step in range(3):
-        assert_bitwise(expected, grads_of(lambda: selective_checkpoint(outer, x, policy=policy, plans=plans), [x, w]))
-        assert_bitwise(expected, grads_of(
-            lambda: checkpoint(lambda t: selective_checkpoint(outer, t, policy=policy, plans=plans), x), [x, w]))
+        assert_bitwise(
+            expected,
+            grads_of(lambda: selective_checkpoint(outer, x, policy=policy, plans=plans), [x, w]),
+        )
+        assert_bitwise(
+            expected,
+            grads_of(
+                lambda: checkpoint(
+                    lambda t: selective_checkpoint(outer, t, policy=policy, plans=plans), x
+                ),
+                [x, w],
+            ),
+        )
     assert plans.reused > 0 and plans.fallbacks == plans.mismatches == 0
     assert not saved_hooks_installed()
 
@@ -1041,15 +1254,20 @@ def test_plans_that_die_with_a_function_made_per_call_are_named_once():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
-            selective_checkpoint(lambda t: linear(t).tanh(), x, policy=save_matmuls, plans=plans).sum().backward()
+            selective_checkpoint(
+                lambda t: linear(t).tanh(), x, policy=save_matmuls, plans=plans
+            ).sum().backward()
     messages = [str(w.message) for w in caught]
     assert (plans.recorded, plans.reused) == (3, 0)
     assert len(messages) == 1 and "2 calls recorded a plan and none reused one" in messages[0]
-    assert "<lambda>), a new object at every call" in messages[0] and "Define the function once" in messages[0]
+    assert (
+        "<lambda>), a new object at every call" in messages[0]
+        and "Define the function once" in messages[0]
+    )
     with warnings.catch_warnings():
-        warnings.simplefilter("error")       # one function, defined once: reused, nothing to say
+        warnings.simplefilter("error")  # one function, defined once: reused, nothing to say
         plans = SelectivePlans()
-        block = lambda t: linear(t).tanh()   # noqa: E731
+        block = lambda t: linear(t).tanh()  # noqa: E731
         for _ in range(3):
             selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
     assert (plans.recorded, plans.reused) == (1, 2)
