@@ -52,6 +52,8 @@ from ckptlib.core.checkpoint import checkpoint
 from ckptlib.core.compile import run_eagerly_under_dynamo
 from ckptlib.offload import offload_saved_tensors
 from ckptlib.schedules import Plan
+from ckptlib.selective import selective_checkpoint
+from ckptlib.selective.policy import as_predicate
 from ckptlib.sequential import checkpoint_sequential
 
 __all__ = ["apply_checkpointing", "remove_checkpointing", "Checkpointed", "repeated_layers"]
@@ -268,9 +270,8 @@ def _check_how(how: Any) -> None:
             raise ValueError(f"apply_checkpointing: how={how!r} is not known; use 'full', "
                              "'offload', or a selective policy such as ckptlib.save_matmuls.")
         return
-    from ckptlib.selective.modes import _as_predicate
     try:
-        _as_predicate(how)
+        as_predicate(how)
     except (TypeError, ValueError) as error:
         raise TypeError("apply_checkpointing: how must be 'full', 'offload' or a selective "
                         f"policy: {error}") from None
@@ -390,7 +391,6 @@ class _Wrapper:
         if self.how == "offload":
             with offload_saved_tensors():
                 return self.region(args, kwargs)
-        from ckptlib.selective import selective_checkpoint
         return selective_checkpoint(self.region, args, kwargs, policy=self.how, plans=self.plans,
                                     preserve_rng_state=self.preserve_rng_state)
 

@@ -1,4 +1,5 @@
-"""The cache of one selective checkpoint call: op outputs kept from forward, handed back in the rerun.
+"""The cache of one selective checkpoint call: op outputs kept from forward, handed back in the
+rerun.
 
 Design notes
 ============
@@ -56,6 +57,21 @@ the forward pass, so not even the forward holds more than plain autograd would.
 This needs the checkpoint to report what autograd saves (ckptlib's does, with
 ``skip_unneeded=True``); a random in-place op's private copy (dropout's mask) counts only there.
 
+The count alone is not enough for such a policy: it bounds what the cache holds
+*between* forward and backward, but the rerun rebuilds every tensor autograd saved
+while the cache still holds the outputs autograd did not save, and then the call
+holds the two together, more than plain autograd ever held for it (GPT-2 with
+``megatron_attention`` peaked up to 1.12x plain autograd, Hugging Face's
+``gelu_new`` intermediates, dropout products and block outputs held through the
+attention core's rerun). Most of those outputs are replayed for nothing: no op
+the rerun runs reads them (the op after them is replayed too, or the rerun ends
+first) and autograd did not save them. So when forward ends such a policy also
+lets go of every cached output the rerun would not read
+(:meth:`~ckptlib.selective.opgraph.OpGraph.unused_replays`): the rerun skips
+those calls instead, so this costs no recomputation. What stays are outputs
+autograd saves, and outputs a call that does rerun reads (the ``qkv`` projection
+the per-head copies are made from), within the count above.
+
 When the cache is freed. The cache holds what autograd would otherwise keep as
 saved tensors, so it follows their lifetime:
 
@@ -73,6 +89,7 @@ without ``retain_graph``, then another backward through the rest) reruns the
 op, which is correct because the rerun's inputs are correct: the cache only
 ever saves time, it is never the only source of a value.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -83,19 +100,30 @@ import torch
 from torch._ops import OpOverload
 
 from ckptlib.core.errors import CheckpointError
-from ckptlib.selective.opgraph import _OpGraph, _Skip
-from ckptlib.selective.ops import _PLAIN, _RANDOM_IN_PLACE, _map_tensors, _shapes, _storages, _tensors, _versions
+from ckptlib.selective.opgraph import OpGraph, Skip
+from ckptlib.selective.ops import (
+    PLAIN,
+    RANDOM_IN_PLACE,
+    map_tensors,
+    shapes_of,
+    storages_of,
+    tensors_of,
+    versions_of,
+)
+from ckptlib.storage import storage_bytes
 
 
 def _shares_input_storage(output: Any, args: tuple) -> bool:
-    return not _storages(output).isdisjoint(_storages(args))
+    return not storages_of(output).isdisjoint(storages_of(args))
 
 
 def _default_generator(tensor: torch.Tensor) -> torch.Generator | None:
     if tensor.device.type == "cpu":
         return torch.default_generator
     if tensor.device.type == "cuda":
-        index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        index = (
+            tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+        )
         return torch.cuda.default_generators[index]
     return None
 
@@ -120,49 +148,56 @@ def _detached(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class _Saved:
+class Saved:
     """The output of one op call, kept from forward to recomputation."""
 
-    value: Any                         # the output, detached; a private copy for an in-place op
-    versions: tuple[int, ...]          # version counters when saved; a change = modified since
+    value: Any  # the output, detached; a private copy for an in-place op
+    versions: tuple[int, ...]  # version counters when saved; a change = modified since
     input_shapes: tuple[torch.Size, ...]
     in_place: bool
-    generator: torch.Generator | None = None     # for a random op: its generator, and the
+    generator: torch.Generator | None = None  # for a random op: its generator, and the
     generator_state: torch.Tensor | None = None  # generator's state right after the op
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in _tensors(self.value))
+        return sum(t.nbytes for t in tensors_of(self.value))
 
     def is_stale(self) -> bool:
-        return _versions(self.value) != self.versions
+        return versions_of(self.value) != self.versions
 
     def replay(self, args: tuple) -> Any:
         if self.generator is not None:
             self.generator.set_state(self.generator_state)
         if self.in_place:
             return args[0].copy_(self.value)
-        return _map_tensors(_detached, self.value)
+        return map_tensors(_detached, self.value)
 
 
-def _save(func: OpOverload, kind: str, args: tuple, kwargs: dict, output: Any,
-          replay_random: bool) -> _Saved | None:
+def make_entry(
+    func: OpOverload, kind: str, args: tuple, kwargs: dict, output: Any, replay_random: bool
+) -> Saved | None:
     """Make the cache entry for one op call, or ``None`` where caching it would be wrong
     or useless (see "What is never cached" in the module notes). ``kind`` is cacheable."""
-    if kind == _PLAIN:
+    if kind == PLAIN:
         if _shares_input_storage(output, args):
             return None
-        return _Saved(_map_tensors(_detached, output), _versions(output), _shapes(args), False)
+        return Saved(map_tensors(_detached, output), versions_of(output), shapes_of(args), False)
     explicit_generator = any(isinstance(a, torch.Generator) for a in (*args, *kwargs.values()))
-    generator = _default_generator(_tensors(output)[0])
+    generator = _default_generator(tensors_of(output)[0])
     if not replay_random or explicit_generator or generator is None:
         return None
-    value = args[0].clone() if kind == _RANDOM_IN_PLACE else _map_tensors(_detached, output)
-    return _Saved(value, _versions(value), _shapes(args), kind == _RANDOM_IN_PLACE,
-                  generator, generator.get_state())
+    value = args[0].clone() if kind == RANDOM_IN_PLACE else map_tensors(_detached, output)
+    return Saved(
+        value,
+        versions_of(value),
+        shapes_of(args),
+        kind == RANDOM_IN_PLACE,
+        generator,
+        generator.get_state(),
+    )
 
 
-class _OpCache:
+class OpCache:
     """What one selective checkpoint call keeps: per op overload, its number of calls in
     forward and the saved outputs by call position; and, when the checkpoint reports
     what it saves, the plan of which calls the recomputation may skip."""
@@ -170,32 +205,45 @@ class _OpCache:
     def __init__(self, replay_random: bool) -> None:
         self.replay_random = replay_random
         self.calls: Counter[OpOverload] = Counter()
-        self.saved: dict[OpOverload, dict[int, _Saved]] = {}
-        self.graph: _OpGraph | None = None      # recorded in forward when saved tensors are observed
-        self.skippable: dict[tuple[OpOverload, int], _Skip] | None = None   # the plan, once forward ends
-        self.intact = True      # every entry the plan counted on is still here
+        self.saved: dict[OpOverload, dict[int, Saved]] = {}
+        self.graph: OpGraph | None = None  # recorded in forward when saved tensors are observed
+        self.skippable: dict[tuple[OpOverload, int], Skip] | None = (
+            None  # the plan, once forward ends
+        )
+        self.intact = True  # every entry the plan counted on is still here
         # Plan reuse (SelectivePlans): a recording call logs its op sequence and hands what it
         # learned (this cache, the op graph, the sequence) to ``plan_sink``; a call that reuses a
         # plan checks its rerun against ``sequence`` and reports a difference to ``on_mismatch``.
-        self.plan_sink: Callable[[_OpCache, _OpGraph, tuple[OpOverload, ...]], None] | None = None
+        self.plan_sink: Callable[[OpCache, OpGraph, tuple[OpOverload, ...]], None] | None = None
         self.sequence_log: list[OpOverload] | None = None
         self.sequence: tuple[OpOverload, ...] | None = None
         self.on_mismatch: Callable[[], None] | None = None
-        self.passthrough = False     # nothing cached, nothing counted: the rerun runs every op
-        # (forward, while the op graph is recorded) cached calls not saved by autograd so far -> their values
+        self.passthrough = False  # nothing cached, nothing counted: the rerun runs every op
+        # (forward, while the op graph is recorded) cached calls not saved by autograd so far ->
+        # their values
         self.pending: dict[tuple[OpOverload, int], tuple[int, ...]] = {}
-        self.cached_saved_bytes = 0     # bytes of cached outputs autograd saved (plain autograd keeps those too)
-        self.cap_every_op = False       # check the cap before every op, not only at the end (a policy's)
-        self.dropped_shapes: dict[tuple[OpOverload, int], tuple[torch.Size, ...]] = {}   # forgotten calls' inputs
-        self.input_storages: frozenset[int] = frozenset()    # the function's inputs' (for fingerprints)
+        self.cached_saved_bytes = (
+            0  # bytes of cached outputs autograd saved (plain autograd keeps those too)
+        )
+        self.cap_every_op = False  # check the cap before every op, not only at the end (a policy's)
+        self.dropped_shapes: dict[
+            tuple[OpOverload, int], tuple[torch.Size, ...]
+        ] = {}  # forgotten calls' inputs
+        self.input_storages: frozenset[int] = (
+            frozenset()
+        )  # the function's inputs' (for fingerprints)
 
     @property
     def saved_bytes(self) -> int:
         """Bytes the cache holds now (each storage once)."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for by_position in self.saved.values() for saved in by_position.values()
-                    for t in _tensors(saved.value)}
-        return sum(storages.values())
+        return sum(
+            storage_bytes(
+                t
+                for by_position in self.saved.values()
+                for saved in by_position.values()
+                for t in tensors_of(saved.value)
+            ).values()
+        )
 
     def drop_stale(self) -> None:
         for by_position in self.saved.values():
@@ -217,53 +265,80 @@ class _OpCache:
             entry = self.saved.get(key[0], {}).get(key[1])
             if entry is None:
                 del self.pending[key]
-            elif not saved_values.isdisjoint(values):      # saved: plain autograd keeps it too
+            elif not saved_values.isdisjoint(values):  # saved: plain autograd keeps it too
                 self.cached_saved_bytes += entry.nbytes
                 del self.pending[key]
-            elif all(_held_by_cache_only(t) for t in _tensors(entry.value)):
+            elif all(_held_by_cache_only(t) for t in tensors_of(entry.value)):
                 dead.append((entry.nbytes, str(key[0]), key[1], key))
         extra_bytes = sum(item[0] for item in dead)
         allowance = self.graph.saved_bytes - self.cached_saved_bytes
-        for nbytes, _, _, (func, position) in sorted(dead, key=lambda item: (-item[0], item[1], item[2])):
+        for nbytes, _, _, key in sorted(dead, key=lambda item: (-item[0], item[1], item[2])):
             if extra_bytes <= allowance:
                 break
-            # The rerun runs this call again, but still checks that its inputs have the forward's shapes.
-            self.dropped_shapes[(func, position)] = self.saved[func].pop(position).input_shapes
-            del self.pending[(func, position)]
+            self.forget(key)
             extra_bytes -= nbytes
+
+    def forget(self, key: tuple[OpOverload, int]) -> None:
+        """(forward) Let go of the cached output of call ``key``: the rerun skips the call or runs
+        it again, and still checks that its inputs have the forward's shapes."""
+        self.dropped_shapes[key] = self.saved[key[0]].pop(key[1]).input_shapes
+        self.pending.pop(key, None)
+
+    def cached_keys(self) -> set[tuple[OpOverload, int]]:
+        return {
+            (func, position) for func, by_position in self.saved.items() for position in by_position
+        }
 
     def finish_forward(self, completed: bool = True) -> None:
         """Forward is over: forget entries modified since, and plan which calls to skip (and,
-        if it ``completed`` and a plan is wanted, hand what a reusable plan is made of to ``plan_sink``)."""
+        if it ``completed`` and a plan is wanted, hand what a reusable plan is made of to
+        ``plan_sink``)."""
         self.drop_stale()
         if self.graph is not None:
+            if (
+                self.cap_every_op
+            ):  # outputs the rerun would replay for nothing: skip those calls instead
+                for key in self.graph.unused_replays(self.cached_keys()):
+                    self.forget(key)
             self.release_dead()
             self.pending.clear()
-            cached = {(func, position) for func, by_position in self.saved.items() for position in by_position}
-            self.skippable = self.graph.unneeded_calls(cached)
-            if completed and self.plan_sink is not None and self.graph.packs is not None \
-                    and self.sequence_log is not None:
+            self.skippable = self.graph.unneeded_calls(self.cached_keys())
+            if (
+                completed
+                and self.plan_sink is not None
+                and self.graph.packs is not None
+                and self.sequence_log is not None
+            ):
                 self.plan_sink(self, self.graph, tuple(self.sequence_log))
             self.graph = None
             self.sequence_log = None
 
-    def plan_for_rerun(self) -> dict[tuple[OpOverload, int], _Skip] | None:
+    def plan_for_rerun(self) -> dict[tuple[OpOverload, int], Skip] | None:
         """The calls this recomputation may skip: none unless every cached entry the plan
         counted on is still there, unmodified (otherwise its op reruns, from inputs the
         plan may have skipped)."""
         if self.skippable is None or not self.intact:
             return None
-        if any(saved.is_stale() for by_position in self.saved.values() for saved in by_position.values()):
+        if any(
+            saved.is_stale()
+            for by_position in self.saved.values()
+            for saved in by_position.values()
+        ):
             return None
         return self.skippable
 
-    def check_position(self, func: OpOverload, position: int, *, read_skipped: bool = False) -> None:
+    def check_position(
+        self, func: OpOverload, position: int, *, read_skipped: bool = False
+    ) -> None:
         """Refuse a rerun call the forward pass never made. ``read_skipped``: the call reads an
         empty stand-in of a skipped op, the mark of values the function read back to Python."""
         if position < self.calls[func]:
             return
-        head = (f"selective checkpoint: the recomputation called {func} {position + 1} times, the "
-                f"forward pass only {self.calls[func]} times, so the cached outputs no longer match the ops. ")
+        head = (
+            f"selective checkpoint: the recomputation called {func} {position + 1} times, the "
+            f"forward pass only {self.calls[func]} times, so the cached outputs no longer match "
+            "the ops. "
+        )
         if read_skipped:
             # Values read into Python (.tolist()) are a dependency the op graph cannot
             # see: the rerun skipped the op that made it, and Python then asks a stand-in for it.
@@ -271,24 +346,27 @@ class _OpCache:
                 head + "It reads the empty stand-in of an op the rerun skipped: the function most "
                 "likely reads a tensor's values back to Python with .tolist() (or .numpy()) and "
                 "computes on from them. Pass skip_unneeded=False to selective_checkpoint "
-                "so that the rerun runs every op.")
+                "so that the rerun runs every op."
+            )
         raise CheckpointError(
             head + "The checkpointed function must run the same ops in both passes: no branches on "
-            "random numbers, time, global flags or train/eval mode changed in between.")
+            "random numbers, time, global flags or train/eval mode changed in between."
+        )
 
     def check_dropped(self, func: OpOverload, position: int, args: tuple) -> None:
-        """A call whose cached output was forgotten in forward must see the forward's input shapes."""
+        """A call whose cached output was forgotten in forward must see the forward's input
+        shapes."""
         expected = self.dropped_shapes.get((func, position))
-        if expected is not None and _shapes(args) != expected:
-            _raise_shape_mismatch(func, position, args, expected)
+        if expected is not None and shapes_of(args) != expected:
+            raise_shape_mismatch(func, position, args, expected)
 
-    def take(self, func: OpOverload, position: int, args: tuple, consume: bool) -> _Saved | None:
+    def take(self, func: OpOverload, position: int, args: tuple, consume: bool) -> Saved | None:
         """The entry for call ``position`` of ``func``, if saved; ``consume`` forgets it
         (nothing will replay it again), so it dies with the last tensor that uses it."""
         by_position = self.saved[func]
         saved = by_position.pop(position, None) if consume else by_position.get(position)
-        if saved is not None and _shapes(args) != saved.input_shapes:
-            _raise_shape_mismatch(func, position, args, saved.input_shapes)
+        if saved is not None and shapes_of(args) != saved.input_shapes:
+            raise_shape_mismatch(func, position, args, saved.input_shapes)
         return saved
 
     def release(self) -> None:
@@ -296,12 +374,11 @@ class _OpCache:
         self.intact = False
 
 
-def _raise_shape_mismatch(func: OpOverload, position: int, args: tuple, expected: tuple) -> None:
+def raise_shape_mismatch(func: OpOverload, position: int, args: tuple, expected: tuple) -> None:
     raise CheckpointError(
         f"selective checkpoint: call #{position} of {func} got inputs of shapes "
-        f"{[list(shape) for shape in _shapes(args)]} in the recomputation but "
+        f"{[list(shape) for shape in shapes_of(args)]} in the recomputation but "
         f"{[list(shape) for shape in expected]} in the forward pass, so its cached "
         "output does not belong to this call. Make the checkpointed function run the same "
         "ops on the same shapes in both passes."
     )
-

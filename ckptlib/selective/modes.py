@@ -1,4 +1,5 @@
-"""The two dispatch modes of selective checkpointing: save the chosen ops in forward, replay or skip them in the rerun.
+"""The two dispatch modes of selective checkpointing: save the chosen ops in forward, replay or
+skip them in the rerun.
 
 Design notes
 ============
@@ -22,103 +23,36 @@ Their ``__torch_dispatch__`` runs for every op: kept lean.
 The policy is checked when the modes are made, not on the first op: a
 collection must hold aten ops, a callable must take ``(op, *args, **kwargs)``.
 """
+
 from __future__ import annotations
 
-import inspect
-import sys
 from collections import Counter
-from typing import Any, Callable, Collection, Union
+from typing import Any, Callable
 
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ckptlib._arguments import flags
 from ckptlib.core.errors import CheckpointError, RecomputeAgain
-from ckptlib._arguments import flags, got, qualname
-from ckptlib.selective.cache import _OpCache, _raise_shape_mismatch, _save
-from ckptlib.selective.opgraph import _from_template, _OpGraph, _Skip
+from ckptlib.selective.cache import OpCache, make_entry, raise_shape_mismatch
+from ckptlib.selective.opgraph import OpGraph, Skip, from_template
 from ckptlib.selective.ops import (
-    _CACHEABLE_KINDS, _RANDOM, _RANDOM_IN_PLACE, _VIEW, _input_tensors, _is_parameter_cast, _op_kind, _tensors,
+    CACHEABLE_KINDS,
+    RANDOM,
+    RANDOM_IN_PLACE,
+    VIEW,
+    inputs_of,
+    is_parameter_cast,
+    op_kind,
+    tensors_of,
 )
-from ckptlib.selective.signatures import _next_node_number
+from ckptlib.selective.policy import Policy, PolicyAnswerError, as_predicate
+from ckptlib.selective.signatures import next_node_number
 
-Policy = Union[Callable[..., bool], Collection[Union[OpOverload, OpOverloadPacket]]]
-"""``policy(op, *args, **kwargs) -> bool`` (save this op's output?), or a collection of
-ops to save (an ``OpOverload`` such as ``aten.mm.default`` matches that overload, an
-``OpOverloadPacket`` such as ``aten.mm`` all of its overloads)."""
-
-
-def _as_predicate(policy: Policy) -> Callable[[OpOverload, tuple, dict], bool]:
-    """``policy`` as ``predicate(func, args, kwargs) -> bool``; a ``TypeError`` now, at the call, for a
-    policy that would fail on the first op (not an aten op, not callable as ``policy(op, *args, **kwargs)``)."""
-    if isinstance(policy, (OpOverload, OpOverloadPacket)):
-        policy = {policy}
-    if callable(policy):
-        _check_policy_signature(policy)
-
-        def predicate(func: OpOverload, args: tuple, kwargs: dict) -> bool:
-            decision = policy(func, *args, **kwargs)
-            return decision if decision is True or decision is False else _decision(decision, policy, func)
-
-        return predicate
-    if isinstance(policy, (str, bytes)) or not isinstance(policy, Collection):
-        raise TypeError(f"policy must be a callable policy(op, *args, **kwargs) -> bool or a collection "
-                        f"of aten ops such as {{torch.ops.aten.mm.default}}, got {type(policy).__name__}.")
-    ops = frozenset(policy)
-    for op in ops:
-        if not isinstance(op, (OpOverload, OpOverloadPacket)):
-            raise TypeError(f"policy contains {op!r} ({type(op).__name__}), which is not an aten op; "
-                            "use ops like torch.ops.aten.mm.default or torch.ops.aten.mm (all overloads), "
-                            "not torch.mm or strings.")
-    return lambda func, args, kwargs: func in ops or func.overloadpacket in ops
-
-
-def _decision(decision: Any, policy: Callable[..., Any], func: OpOverload) -> bool:
-    """A policy's answer that is not ``True`` or ``False``: NumPy's booleans and torch's
-    ``CheckpointPolicy`` (``MUST_SAVE``/``PREFER_SAVE`` keep) mean what they say; anything else
-    (``"yes"``, ``None``, a number) is refused, since Python's truth would read ``"no"`` as keep."""
-    if type(decision).__module__ == "numpy" and type(decision).__name__ in ("bool", "bool_"):   # NumPy 2, 1
-        return bool(decision)
-    torch_checkpoint = sys.modules.get("torch.utils.checkpoint")
-    checkpoint_policy = getattr(torch_checkpoint, "CheckpointPolicy", None)
-    if checkpoint_policy is not None and isinstance(decision, checkpoint_policy):
-        return decision in (checkpoint_policy.MUST_SAVE, checkpoint_policy.PREFER_SAVE)
-    raise _PolicyAnswerError(TypeError(
-        f"policy {qualname(policy)} returned no decision for {func}, {got(decision)}: a policy must return True (keep "
-        "this op's output) or False (recompute it in backward)."))
-
-
-class _PolicyAnswerError(Exception):
-    """Carries the ``TypeError`` about a policy's answer out of the op that asked, to the forward mode's
-    exit, which raises it. (Raised inside ``a @ b``, a ``TypeError`` becomes ``NotImplemented`` and then
-    Python's "unsupported operand type(s) for @".)"""
-
-    def __init__(self, error: TypeError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
-
-def _check_policy_signature(policy: Callable[..., Any]) -> None:
-    """The modes call ``policy(op, *args, **kwargs)`` for every op, with as many arguments as the op
-    takes and, for some ops (``_to_copy(x, dtype=...)``), keyword arguments: a policy must accept
-    all of that. (A callable whose signature Python cannot read, a builtin, is taken on trust.)"""
-    try:
-        signature = inspect.signature(policy)
-    except (TypeError, ValueError):
-        return
-    kinds = {parameter.kind for parameter in signature.parameters.values()}
-    try:
-        signature.bind(None)
-        takes_op = True
-    except TypeError:
-        takes_op = False
-    if takes_op and inspect.Parameter.VAR_POSITIONAL in kinds and inspect.Parameter.VAR_KEYWORD in kinds:
-        return
-    name = qualname(policy)
-    raise TypeError(f"policy {name}{signature} cannot be called as policy(op, *args, **kwargs): selective "
-                    "checkpointing calls it with every aten op, that op's arguments and its keyword "
-                    "arguments. Give it the parameters (op, *args, **kwargs), or pass a collection of aten "
-                    "ops such as {torch.ops.aten.mm.default}.")
+# The old name: ckptlib.apply still imports it from here (it is
+# ckptlib.selective.policy.as_predicate now).
+_as_predicate = as_predicate
 
 
 class SaveChosenOps(TorchDispatchMode):
@@ -131,11 +65,11 @@ class SaveChosenOps(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return False   # eager only: torch's dynamo-disabling wrapper costs ~5 us on every op
+        return False  # eager only: torch's dynamo-disabling wrapper costs ~5 us on every op
 
-    def __init__(self, policy: Policy, cache: _OpCache, *, skip_unneeded: bool = True) -> None:
+    def __init__(self, policy: Policy, cache: OpCache, *, skip_unneeded: bool = True) -> None:
         super().__init__()
-        self.should_save = _as_predicate(policy)
+        self.should_save = as_predicate(policy)
         self.cache = cache
         # A policy marked so (megatron_attention) is held to plain autograd's bytes before every op
         # (see the cache's notes, "Never more than plain autograd").
@@ -147,7 +81,7 @@ class SaveChosenOps(TorchDispatchMode):
         tensor autograd saves (or ``None``: not interested), and starts the op graph."""
         if not self.skip_unneeded:
             return None
-        self.cache.graph = _OpGraph()
+        self.cache.graph = OpGraph()
         if self.cache.plan_sink is not None:
             self.cache.graph.packs, self.cache.sequence_log = [], []
             self.cache.graph.input_storages = self.cache.input_storages
@@ -157,18 +91,19 @@ class SaveChosenOps(TorchDispatchMode):
         kwargs = kwargs or {}
         cache = self.cache
         if cache.cap_every_op and cache.pending:
-            cache.release_dead()     # before this op allocates: nothing plain autograd would have freed
+            # before this op allocates: nothing plain autograd would have freed
+            cache.release_dead()
         output = func(*args, **kwargs)
-        kind = _op_kind(func)
-        if kind == _VIEW or _is_parameter_cast(func, args):
+        kind = op_kind(func)
+        if kind == VIEW or is_parameter_cast(func, args):
             return output
         position = cache.calls[func]
         cache.calls[func] = position + 1
         if cache.sequence_log is not None:
             cache.sequence_log.append(func)
         saved = None
-        if kind in _CACHEABLE_KINDS and self.should_save(func, args, kwargs):
-            saved = _save(func, kind, args, kwargs, output, cache.replay_random)
+        if kind in CACHEABLE_KINDS and self.should_save(func, args, kwargs):
+            saved = make_entry(func, kind, args, kwargs, output, cache.replay_random)
             if saved is not None:
                 cache.saved.setdefault(func, {})[position] = saved
         graph = cache.graph
@@ -183,13 +118,13 @@ class SaveChosenOps(TorchDispatchMode):
     def __enter__(self):
         graph = self.cache.graph
         if graph is not None and graph.packs is not None:
-            graph.first_node = _next_node_number()
+            graph.first_node = next_node_number()
         return super().__enter__()
 
     def __exit__(self, exc_type, exc_value, traceback):
         self.cache.finish_forward(completed=exc_type is None)
         super().__exit__(exc_type, exc_value, traceback)
-        if isinstance(exc_value, _PolicyAnswerError):
+        if isinstance(exc_value, PolicyAnswerError):
             raise exc_value.error from None
 
 
@@ -209,19 +144,19 @@ class ReplaySavedOps(TorchDispatchMode):
 
     _should_skip_dynamo = SaveChosenOps._should_skip_dynamo
 
-    def __init__(self, cache: _OpCache) -> None:
+    def __init__(self, cache: OpCache) -> None:
         super().__init__()
         self.cache = cache
         self.calls: Counter[OpOverload] = Counter()
         self.consume = False
-        self.skippable: dict[tuple[OpOverload, int], _Skip] | None = None
+        self.skippable: dict[tuple[OpOverload, int], Skip] | None = None
         self.sequence: tuple[OpOverload, ...] | None = None
         self.step = 0
-        self.active = False      # this entry pushed the mode (not so in passthrough)
+        self.active = False  # this entry pushed the mode (not so in passthrough)
 
     def __enter__(self):
         if self.cache.passthrough:
-            return self       # a reused plan did not fit this call: plain rerun, no mode at all
+            return self  # a reused plan did not fit this call: plain rerun, no mode at all
         self.calls.clear()
         self.consume = _backward_frees_graph()
         self.skippable = self.cache.plan_for_rerun()
@@ -238,36 +173,45 @@ class ReplaySavedOps(TorchDispatchMode):
         except (RecomputeAgain, CheckpointError):
             raise
         except Exception:
-            if any(t.is_meta for t in _input_tensors(args, kwargs)) and self.recompute_again():
-                raise RecomputeAgain from None    # it read a skipped result
+            if any(t.is_meta for t in inputs_of(args, kwargs)) and self.recompute_again():
+                raise RecomputeAgain from None  # it read a skipped result
             raise
-        kind = _op_kind(func)
-        if (kind is _RANDOM or kind is _RANDOM_IN_PLACE) and any(t.is_meta for t in _tensors(output)) \
-                and self.recompute_again():
-            raise RecomputeAgain   # drew nothing: later random ops would draw other numbers
+        kind = op_kind(func)
+        if (
+            (kind is RANDOM or kind is RANDOM_IN_PLACE)
+            and any(t.is_meta for t in tensors_of(output))
+            and self.recompute_again()
+        ):
+            raise RecomputeAgain  # drew nothing: later random ops would draw other numbers
         return output
 
     def _dispatch(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
-        if _op_kind(func) == _VIEW or _is_parameter_cast(func, args):
+        if op_kind(func) == VIEW or is_parameter_cast(func, args):
             return func(*args, **kwargs)
         if self.sequence is not None:
             self._check_sequence(func)
         position = self.calls[func]
         self.calls[func] = position + 1
         cache = self.cache
-        if position >= cache.calls[func]:     # refused: say whether it reads a skipped result
-            cache.check_position(func, position, read_skipped=self.skippable is not None and any(
-                t.is_meta for t in _input_tensors(args, kwargs)))
+        if position >= cache.calls[func]:  # refused: say whether it reads a skipped result
+            cache.check_position(
+                func,
+                position,
+                read_skipped=self.skippable is not None
+                and any(t.is_meta for t in inputs_of(args, kwargs)),
+            )
         if self.skippable is not None:
             skip = self.skippable.get((func, position))
             if skip is not None:
-                shapes = tuple([t.shape for t in _input_tensors(args, kwargs)])
+                shapes = tuple([t.shape for t in inputs_of(args, kwargs)])
                 if shapes != skip.input_shapes:
-                    _raise_shape_mismatch(func, position, (args, tuple(kwargs.values())), skip.input_shapes)
-                return _from_template(skip.template)
+                    raise_shape_mismatch(
+                        func, position, (args, tuple(kwargs.values())), skip.input_shapes
+                    )
+                return from_template(skip.template)
         if cache.dropped_shapes:
             cache.check_dropped(func, position, args)
-        if func not in cache.saved:     # no call of this op was saved (or the cache is released)
+        if func not in cache.saved:  # no call of this op was saved (or the cache is released)
             return func(*args, **kwargs)
         saved = cache.take(func, position, args, self.consume)
         if saved is None or saved.is_stale():
@@ -281,9 +225,9 @@ class ReplaySavedOps(TorchDispatchMode):
         if self.skippable is None:
             return False
         cache = self.cache
-        cache.intact = False           # plan_for_rerun: no skipping from now on
+        cache.intact = False  # plan_for_rerun: no skipping from now on
         if cache.sequence is not None:
-            cache.sequence = None      # a reused plan that skips too much: forget it
+            cache.sequence = None  # a reused plan that skips too much: forget it
             if cache.on_mismatch is not None:
                 cache.on_mismatch()
         return True
@@ -317,12 +261,15 @@ class ReplaySavedOps(TorchDispatchMode):
 
 def _backward_frees_graph() -> bool:
     """True inside a backward pass that was not asked to ``retain_graph``."""
-    return (torch._C._current_graph_task_id() != -1
-            and not torch._C._autograd._get_current_graph_task_keep_graph())
+    return (
+        torch._C._current_graph_task_id() != -1
+        and not torch._C._autograd._get_current_graph_task_keep_graph()
+    )
 
 
-def selective_contexts(policy: Policy, *, replay_random: bool = True,
-                       skip_unneeded: bool = True) -> tuple[SaveChosenOps, ReplaySavedOps]:
+def selective_contexts(
+    policy: Policy, *, replay_random: bool = True, skip_unneeded: bool = True
+) -> tuple[SaveChosenOps, ReplaySavedOps]:
     """A fresh ``(forward_context, recompute_context)`` pair sharing one empty cache.
 
     This is the ``context_fn`` protocol of ``torch.utils.checkpoint``, so the pair
@@ -339,6 +286,5 @@ def selective_contexts(policy: Policy, *, replay_random: bool = True,
     True
     """
     flags("selective_contexts", replay_random=replay_random, skip_unneeded=skip_unneeded)
-    cache = _OpCache(replay_random)
+    cache = OpCache(replay_random)
     return SaveChosenOps(policy, cache, skip_unneeded=skip_unneeded), ReplaySavedOps(cache)
-

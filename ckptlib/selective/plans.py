@@ -1,4 +1,5 @@
-"""Reusing plans: after a function's first call per input signature, forward runs with no dispatch mode.
+"""Reusing plans: after a function's first call per input signature, forward runs with no
+dispatch mode.
 
 Design notes
 ============
@@ -30,6 +31,7 @@ to: the plans follow the instance. Within a function, plans are per signature
 cannot be weakly referenced; an unhashable argument gives no signature) the call
 runs as without ``plans``, and a warning says so once.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,14 +45,15 @@ from typing import Any, Callable, Mapping, NamedTuple
 import torch
 from torch._ops import OpOverload
 
-from ckptlib.core.checkpoint import is_recomputing
 from ckptlib._arguments import qualname
-from ckptlib.selective.cache import _OpCache, _Saved
-from ckptlib.selective.modes import Policy, ReplaySavedOps, selective_contexts
-from ckptlib.selective.opgraph import _OpGraph, _Skip
+from ckptlib.core.checkpoint import is_recomputing
 from ckptlib.storage import storage_ptrs as input_ptrs
-from ckptlib.selective.ops import _input_tensors
-from ckptlib.selective.signatures import _fingerprint, _next_node_number, _signature, _underlying
+from ckptlib.selective.cache import OpCache, Saved
+from ckptlib.selective.modes import ReplaySavedOps, selective_contexts
+from ckptlib.selective.opgraph import OpGraph, Skip
+from ckptlib.selective.ops import inputs_of
+from ckptlib.selective.policy import Policy
+from ckptlib.selective.signatures import call_signature, fingerprint, next_node_number, underlying
 
 
 class _Plan(NamedTuple):
@@ -63,17 +66,19 @@ class _Plan(NamedTuple):
     not kept by a reused plan (the rerun recomputes them; the skips are planned for that).
     """
 
-    packs: tuple[tuple, ...]     # fingerprint of each saved tensor, in pack order
-    rebuild: Mapping[int, tuple[tuple[tuple[OpOverload, int], int, torch.Size, tuple[int, ...], int], ...]]
+    packs: tuple[tuple, ...]  # fingerprint of each saved tensor, in pack order
+    rebuild: Mapping[
+        int, tuple[tuple[tuple[OpOverload, int], int, torch.Size, tuple[int, ...], int], ...]
+    ]
     # saved tensor index -> (entry key, output slot, size, stride, storage offset) it holds
     entries: Mapping[tuple[OpOverload, int], tuple[type | None, int, tuple[torch.Size, ...]]]
     # entry key -> (tuple/list type, or None for one tensor; number of tensors; input shapes)
-    skippable: Mapping[tuple[OpOverload, int], _Skip]
+    skippable: Mapping[tuple[OpOverload, int], Skip]
     calls: Mapping[OpOverload, int]
-    sequence: tuple[OpOverload, ...]     # the counted ops, in order: what the rerun must run
+    sequence: tuple[OpOverload, ...]  # the counted ops, in order: what the rerun must run
 
     @classmethod
-    def learn(cls, cache: _OpCache, graph: _OpGraph, sequence: tuple[OpOverload, ...]) -> "_Plan":
+    def learn(cls, cache: OpCache, graph: OpGraph, sequence: tuple[OpOverload, ...]) -> "_Plan":
         first_pack: dict[int, int] = {}
         for index, (value, _) in enumerate(graph.packs):
             if value is not None:
@@ -85,10 +90,14 @@ class _Plan(NamedTuple):
             for position, saved in by_position.items():
                 key, value = (func, position), saved.value
                 if saved.in_place or saved.generator is not None:
-                    continue    # random: its replay sets the generator, which needs the forward mode
+                    continue  # random: its replay sets the generator, which needs the forward mode
                 if type(value) is torch.Tensor:
                     container, tensors = None, [value]
-                elif isinstance(value, (tuple, list)) and value and all(type(t) is torch.Tensor for t in value):
+                elif (
+                    isinstance(value, (tuple, list))
+                    and value
+                    and all(type(t) is torch.Tensor for t in value)
+                ):
                     container, tensors = type(value), list(value)
                 else:
                     continue
@@ -96,15 +105,23 @@ class _Plan(NamedTuple):
                 if values is None or len(values) != len(tensors):
                     continue
                 picks = [first_pack.get(v) for v in values]
-                if None in picks or any(graph.packs[i][1][1] != t.dtype for i, t in zip(picks, tensors)):
+                if None in picks or any(
+                    graph.packs[i][1][1] != t.dtype for i, t in zip(picks, tensors)
+                ):
                     continue
                 entries[key] = (container, len(tensors), saved.input_shapes)
                 for slot, (index, tensor) in enumerate(zip(picks, tensors)):
                     rebuild.setdefault(index, []).append(
-                        (key, slot, tensor.shape, tensor.stride(), tensor.storage_offset()))
-        return cls(tuple(fingerprint for _, fingerprint in graph.packs),
-                   {index: tuple(items) for index, items in rebuild.items()}, entries,
-                   graph.unneeded_calls(set(entries)), dict(cache.calls), sequence)
+                        (key, slot, tensor.shape, tensor.stride(), tensor.storage_offset())
+                    )
+        return cls(
+            tuple(key for _, key in graph.packs),
+            {index: tuple(items) for index, items in rebuild.items()},
+            entries,
+            graph.unneeded_calls(set(entries)),
+            dict(cache.calls),
+            sequence,
+        )
 
 
 class _PlannedForward:
@@ -113,7 +130,7 @@ class _PlannedForward:
     those holding cached outputs fill the cache. If the saved tensors differ from the plan's
     in any way, the call forgets the plan and reruns every op, like full checkpointing."""
 
-    def __init__(self, plan: _Plan, cache: _OpCache, on_fallback: Callable[[], None]) -> None:
+    def __init__(self, plan: _Plan, cache: OpCache, on_fallback: Callable[[], None]) -> None:
         self.plan, self.cache, self.on_fallback = plan, cache, on_fallback
         self.count = 0
         self.matches = True
@@ -129,12 +146,15 @@ class _PlannedForward:
         if not self.matches:
             return
         packs = self.plan.packs
-        if index >= len(packs) or _fingerprint(tensor, self.cache.input_storages, self.first_node) != packs[index]:
+        if (
+            index >= len(packs)
+            or fingerprint(tensor, self.cache.input_storages, self.first_node) != packs[index]
+        ):
             self.matches = False
             self.parts.clear()
             return
         for key, slot, size, stride, offset in self.plan.rebuild.get(index, ()):
-            view = tensor.detach()     # shares the version counter: a later in-place change shows
+            view = tensor.detach()  # shares the version counter: a later in-place change shows
             if view.shape != size or view.stride() != stride or view.storage_offset() != offset:
                 view = view.as_strided(size, stride, offset)
             slots = self.parts.get(key)
@@ -143,7 +163,7 @@ class _PlannedForward:
             slots[slot] = (view, view._version)
 
     def __enter__(self) -> "_PlannedForward":
-        self.first_node = _next_node_number()
+        self.first_node = next_node_number()
         return self
 
     def __exit__(self, exc_type: Any, *exc_info: Any) -> bool:
@@ -158,13 +178,14 @@ class _PlannedForward:
         complete = len(self.parts) == len(plan.entries)
         for key, slots in self.parts.items():
             if any(slot is None or slot[0]._version != slot[1] for slot in slots):
-                complete = False        # modified in place after it was saved: not the op's output
+                complete = False  # modified in place after it was saved: not the op's output
                 continue
             container, _, input_shapes = plan.entries[key]
             tensors = [t for t, _ in slots]
             value = tensors[0] if container is None else container(tensors)
-            cache.saved.setdefault(key[0], {})[key[1]] = _Saved(
-                value, tuple(version for _, version in slots), input_shapes, False)
+            cache.saved.setdefault(key[0], {})[key[1]] = Saved(
+                value, tuple(version for _, version in slots), input_shapes, False
+            )
         self.parts.clear()
         cache.calls = Counter(plan.calls)
         cache.sequence = plan.sequence
@@ -174,7 +195,7 @@ class _PlannedForward:
         return False
 
 
-_NO_PLAN = "no plan"    # SelectivePlans' mark for a signature given up on (a fallback or a mismatch)
+_NO_PLAN = "no plan"  # SelectivePlans' mark for a signature given up on (a fallback or a mismatch)
 
 
 class SelectivePlans:
@@ -235,16 +256,18 @@ class SelectivePlans:
 
     def __init__(self) -> None:
         self._tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.recorded = 0     # calls that recorded a plan
-        self.reused = 0       # calls that ran forward with a recorded plan (fallbacks included)
-        self.fallbacks = 0    # of those, calls whose saved tensors differed from the plan's
-        self.mismatches = 0   # reruns that ran other ops than the plan's, or needed a skipped result
-        self._warned: set[str] = set()    # why some calls could not use plans, said once each
-        self._forgotten = 0   # plans dropped by clear(), still counted in recorded
+        self.recorded = 0  # calls that recorded a plan
+        self.reused = 0  # calls that ran forward with a recorded plan (fallbacks included)
+        self.fallbacks = 0  # of those, calls whose saved tensors differed from the plan's
+        self.mismatches = 0  # reruns that ran other ops than the plan's, or needed a skipped result
+        self._warned: set[str] = set()  # why some calls could not use plans, said once each
+        self._forgotten = 0  # plans dropped by clear(), still counted in recorded
 
     def __len__(self) -> int:
         """The number of plans held (signatures given up on are not counted)."""
-        return sum(plan is not _NO_PLAN for table in self._tables.values() for plan in table.values())
+        return sum(
+            plan is not _NO_PLAN for table in self._tables.values() for plan in table.values()
+        )
 
     def clear(self) -> None:
         """Forget every plan (the counters stay)."""
@@ -253,30 +276,43 @@ class SelectivePlans:
 
     def __repr__(self) -> str:
         count = len(self)
-        return (f"SelectivePlans({count} plan{'s' if count != 1 else ''}: {self.recorded} recorded, "
-                f"{self.reused} reused, {self.fallbacks} fallbacks, {self.mismatches} mismatches)")
+        return (
+            f"SelectivePlans({count} plan{'s' if count != 1 else ''}: {self.recorded} recorded, "
+            f"{self.reused} reused, {self.fallbacks} fallbacks, {self.mismatches} mismatches)"
+        )
 
-    def contexts(self, fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy, *,
-                 replay_random: bool = True, early_stop: bool = True) -> tuple[Any, ReplaySavedOps]:
+    def contexts(
+        self,
+        fn: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        policy: Policy,
+        *,
+        replay_random: bool = True,
+        early_stop: bool = True,
+    ) -> tuple[Any, ReplaySavedOps]:
         """The ``(forward_context, recompute_context)`` for one call of ``fn``: a recorded
         plan's (no forward mode) if one fits, else :func:`selective_contexts` recording one."""
         # Inside the rerun of an enclosing checkpoint the inputs may be stand-ins for skipped
         # results: neither record nor reuse plans there.
         if is_recomputing():
             return selective_contexts(policy, replay_random=replay_random)
-        signature = _signature(fn, args, kwargs, policy, replay_random, early_stop)
+        signature = call_signature(fn, args, kwargs, policy, replay_random, early_stop)
         table = None
         if signature is None:
-            self._warn_once("signature", f"SelectivePlans: a call of {qualname(fn)} has an argument (or a "
-                            "policy) that is not hashable, so it has no signature to find its plan by; such "
-                            "calls run as without plans. Pass tensors, numbers, strings, tuples or None.")
+            self._warn_once(
+                "signature",
+                f"SelectivePlans: a call of {qualname(fn)} has an argument (or a "
+                "policy) that is not hashable, so it has no signature to find its plan by; such "
+                "calls run as without plans. Pass tensors, numbers, strings, tuples or None.",
+            )
         else:
             table, function = self._table(fn)
             key = (function, signature)
         plan = table.get(key) if table is not None else None
         if plan is _NO_PLAN:
             return selective_contexts(policy, replay_random=replay_random)
-        inputs = frozenset(input_ptrs(_input_tensors(args, kwargs)))
+        inputs = frozenset(input_ptrs(inputs_of(args, kwargs)))
         if plan is None:
             forward, recompute = selective_contexts(policy, replay_random=replay_random)
             if table is not None:
@@ -284,24 +320,29 @@ class SelectivePlans:
                 forward.cache.input_storages = inputs
             return forward, recompute
         self.reused += 1
-        cache = _OpCache(replay_random)
+        cache = OpCache(replay_random)
         cache.input_storages = inputs
         cache.on_mismatch = functools.partial(self._mismatched, table, key)
-        return _PlannedForward(plan, cache, functools.partial(self._fell_back, table, key)), ReplaySavedOps(cache)
+        return _PlannedForward(
+            plan, cache, functools.partial(self._fell_back, table, key)
+        ), ReplaySavedOps(cache)
 
     def _table(self, fn: Callable[..., Any]) -> tuple[dict | None, Any]:
         """The plans of ``fn`` (an empty table at first) and the key of its function in them, or
         ``(None, None)`` where ``fn`` cannot be weakly referenced. A bound method or a
         ``functools.partial`` is a new object at every call: its plans follow the instance it
         runs on, keyed by the function (see :func:`~ckptlib.selective.signatures._underlying`)."""
-        owner, function, _, _ = _underlying(fn)
+        owner, function, _, _ = underlying(fn)
         try:
             return self._tables.setdefault(owner, {}), function
-        except TypeError:      # no weak reference (a builtin), or not hashable
-            self._warn_once("weakref", f"SelectivePlans cannot keep plans for {qualname(fn)}: plans follow "
-                            "their function through a weak reference, and it has none (a builtin) or is not "
-                            "hashable, so every call runs as without plans. Pass a Python function or a "
-                            "module instead, e.g. `def f(t): return torch.sin(t)` defined once.")
+        except TypeError:  # no weak reference (a builtin), or not hashable
+            self._warn_once(
+                "weakref",
+                f"SelectivePlans cannot keep plans for {qualname(fn)}: plans follow "
+                "their function through a weak reference, and it has none (a builtin) or is not "
+                "hashable, so every call runs as without plans. Pass a Python function or a "
+                "module instead, e.g. `def f(t): return torch.sin(t)` defined once.",
+            )
             return None, None
 
     def _warn_once(self, reason: str, message: str) -> None:
@@ -309,22 +350,32 @@ class SelectivePlans:
             self._warned.add(reason)
             warnings.warn(message, stacklevel=_first_frame_outside_ckptlib())
 
-    def _learned(self, table: dict, key: tuple, name: str, cache: _OpCache, graph: _OpGraph,
-                 sequence: tuple[OpOverload, ...]) -> None:
+    def _learned(
+        self,
+        table: dict,
+        key: tuple,
+        name: str,
+        cache: OpCache,
+        graph: OpGraph,
+        sequence: tuple[OpOverload, ...],
+    ) -> None:
         table[key] = _Plan.learn(cache, graph, sequence)
         self.recorded += 1
         # Every recorded plan stays in a table while its function lives: fewer held than recorded,
         # and none ever reused, means the functions die after one call.
         held = sum(len(plans) for plans in self._tables.values()) + self._forgotten
         if self.reused == 0 and self.recorded >= 2 and held < self.recorded:
-            self._warn_once("lost", f"SelectivePlans: {self.recorded} calls recorded a plan and none reused "
-                            f"one: each plan died with its function ({name}), a new object at every call "
-                            "(a lambda or a functools.partial made per call), so every call pays for "
-                            "recording. Define the function once and pass that same function (or the "
-                            "module, or its bound method) at every call.")
+            self._warn_once(
+                "lost",
+                f"SelectivePlans: {self.recorded} calls recorded a plan and none reused "
+                f"one: each plan died with its function ({name}), a new object at every call "
+                "(a lambda or a functools.partial made per call), so every call pays for "
+                "recording. Define the function once and pass that same function (or the "
+                "module, or its bound method) at every call.",
+            )
 
     def _fell_back(self, table: dict, key: tuple) -> None:
-        table[key] = _NO_PLAN     # this signature's saved tensors vary: stop trying to reuse
+        table[key] = _NO_PLAN  # this signature's saved tensors vary: stop trying to reuse
         self.fallbacks += 1
 
     def _mismatched(self, table: dict, key: tuple) -> None:

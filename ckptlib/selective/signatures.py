@@ -1,4 +1,5 @@
-"""What must match for one call to reuse another's plan: a signature before the call, a fingerprint per saved tensor.
+"""What must match for one call to reuse another's plan: a signature before the call, a
+fingerprint per saved tensor.
 
 Design notes
 ============
@@ -20,31 +21,29 @@ same plan. Two checks decide that, both erring towards more work:
   (``SoftmaxBackward0``) and by its place among the nodes the call created. The
   place is what keeps a cached output from being rebuilt from a tensor another
   op made. Node places are counted from the sequence number autograd gives the
-  call's first node (:func:`_next_node_number`).
+  call's first node (:func:`next_node_number`).
 
 What no check sees is a call whose unsaved intermediate results flow
 differently with the same ops and the same saved tensors; the rerun then fails
 loudly or runs again (``ReplaySavedOps``).
 """
+
 from __future__ import annotations
 
 import functools
 import types
-from typing import TYPE_CHECKING, Any, Callable, Collection
+from typing import Any, Callable, Collection
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from ckptlib.core.checkpoint import _autocast_state
 from ckptlib.core.keys import INPUT, saved_key
+from ckptlib.selective.policy import Policy
 from ckptlib.storage import storage_ptr
 
-if TYPE_CHECKING:
-    from ckptlib.selective.modes import Policy
 
-
-def _fingerprint(tensor: torch.Tensor, input_storages: Collection[int], first_node: int) -> tuple:
+def fingerprint(tensor: torch.Tensor, input_storages: Collection[int], first_node: int) -> tuple:
     """What a reused plan checks of each saved tensor: the key a checkpoint's rerun checks
     (:func:`ckptlib.core.keys.saved_key`: shape, dtype, device and the kind of autograd node that
     made it, a view's base's, or "an input"), and the place of that node among the nodes the
@@ -52,21 +51,21 @@ def _fingerprint(tensor: torch.Tensor, input_storages: Collection[int], first_no
     key = saved_key(tensor, storage_ptr(tensor), input_storages)
     base = tensor._base
     node = (tensor if base is None else base).grad_fn
-    if node is None or key[3] == INPUT:     # a leaf (a parameter), a view of one, or an input
+    if node is None or key[3] == INPUT:  # a leaf (a parameter), a view of one, or an input
         return key
     place = node._sequence_nr() - first_node
     return (*key, place if place >= 0 else "before")
 
 
-def _next_node_number() -> int:
+def next_node_number() -> int:
     """The sequence number autograd gives the next node this thread creates. (The probe is
     hidden from dispatch modes: an enclosing selective checkpoint must not count its ops.)"""
     with torch._C._DisableTorchDispatch():
-        probe = torch.empty(0, requires_grad=True).view(0)    # creates one node
+        probe = torch.empty(0, requires_grad=True).view(0)  # creates one node
     return probe.grad_fn._sequence_nr() + 1
 
 
-def _underlying(fn: Callable[..., Any]) -> tuple[Any, Any, tuple, dict]:
+def underlying(fn: Callable[..., Any]) -> tuple[Any, Any, tuple, dict]:
     """``(owner, function, bound_args, bound_kwargs)``: what a call of ``fn`` really runs.
 
     Plans follow the owner (weakly) and are keyed by the function. A bound method is a new
@@ -81,19 +80,27 @@ def _underlying(fn: Callable[..., Any]) -> tuple[Any, Any, tuple, dict]:
         fn = fn.func
     if isinstance(fn, types.MethodType):
         return fn.__self__, fn.__func__, bound_args, bound_kwargs
-    if bound_args and isinstance(bound_args[0], torch.nn.Module):     # partial(Class.forward, module, ...)
+    if bound_args and isinstance(
+        bound_args[0], torch.nn.Module
+    ):  # partial(Class.forward, module, ...)
         return bound_args[0], fn, bound_args[1:], bound_kwargs
     return fn, None, bound_args, bound_kwargs
 
 
-def _signature(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy,
-               replay_random: bool, early_stop: bool) -> tuple | None:
+def call_signature(
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    policy: Policy,
+    replay_random: bool,
+    early_stop: bool,
+) -> tuple | None:
     """What must be equal for a call to reuse another's plan (``None``: never reuse): the
     policy, every input tensor's type, shape, strides, dtype, device and ``requires_grad``,
     the other arguments, the train/eval flags of a module's submodules, autocast, the
     deterministic-algorithms setting and the caller's dispatch modes and module hooks. The
     saved tensors of the call are checked as well."""
-    owner, _, bound_args, bound_kwargs = _underlying(fn)
+    owner, _, bound_args, bound_kwargs = underlying(fn)
     if bound_args or bound_kwargs:
         args, kwargs = (*bound_args, *args), {**bound_kwargs, **kwargs}
     try:
@@ -104,14 +111,44 @@ def _signature(fn: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy
             structure: Any = str(spec)
         else:
             leaves, structure = args, len(args)
-        parts = tuple([(type(leaf), leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)
-                       if isinstance(leaf, torch.Tensor) else (type(leaf), leaf) for leaf in leaves])
+        parts = tuple(
+            [
+                (type(leaf), leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad)
+                if isinstance(leaf, torch.Tensor)
+                else (type(leaf), leaf)
+                for leaf in leaves
+            ]
+        )
         hash(parts)
-    except TypeError:     # an unhashable policy or argument
+    except TypeError:  # an unhashable policy or argument
         return None
-    training = tuple([m.training for m in owner.modules()]) if isinstance(owner, torch.nn.Module) else ()
-    return (policy_key, structure, parts, training, _autocast_state(), torch.are_deterministic_algorithms_enabled(),
-            _ambient_tracing(), replay_random, early_stop)
+    training = (
+        tuple([m.training for m in owner.modules()]) if isinstance(owner, torch.nn.Module) else ()
+    )
+    return (
+        policy_key,
+        structure,
+        parts,
+        training,
+        _autocast(),
+        torch.are_deterministic_algorithms_enabled(),
+        _ambient_tracing(),
+        replay_random,
+        early_stop,
+    )
+
+
+def _autocast() -> tuple:
+    """Autocast as it changes the ops a call runs: on or off, and the dtype, per device."""
+    return tuple(
+        [
+            (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            for device in _AUTOCAST_DEVICES
+        ]
+    )
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def _ambient_tracing() -> tuple:
@@ -121,4 +158,3 @@ def _ambient_tracing() -> tuple:
     modes = tuple([type(mode) for mode in _dispatch_mode_stack()])
     hooks = torch.nn.modules.module
     return modes, len(hooks._global_forward_pre_hooks), len(hooks._global_forward_hooks)
-

@@ -51,7 +51,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ckptlib import checkpoint, policy_from_costs, save_matmuls, selective_checkpoint
 from ckptlib.memory import MemoryMeter, format_bytes
 from ckptlib.models import TinyTransformer
-from ckptlib.selective.ops import _tensors
+from ckptlib.selective.ops import tensors_of as _tensors
 from ckptlib import palette
 from ckptlib.storage import storage_ptr, storage_ptrs
 from ckptlib.widgets._timing import compare, interleaved, spread

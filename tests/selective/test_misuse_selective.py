@@ -1,8 +1,7 @@
 """Misuse of the public selective functions: a clear error at the call, and nothing left behind.
 
-Each row is a ``Misuse`` (tests/_misuse.py): the call, the exception it must raise, and words its
-message must contain (the argument's name, what it accepts, the bad value). After the error no
-dispatch mode is active,
+Each row: the call, the exception it must raise, and words its message must contain (the
+argument's name, what it accepts, the bad value). After the error no dispatch mode is active,
 no saved-tensor hook is installed, and no function was run or measured.
 """
 from __future__ import annotations
@@ -17,7 +16,7 @@ from ckptlib.selective import (
     policy_from_costs, save_matmuls, selective_checkpoint, selective_contexts,
 )
 
-from tests._misuse import Misuse, assert_nothing_installed, assert_refused, rows
+from tests._misuse import assert_nothing_installed
 
 aten = torch.ops.aten
 
@@ -54,287 +53,272 @@ _PROFILE = CostProfile(
     {OpCall(aten.mm.default, ((4, 4), (4, 4))): OpCost(1, 0.001, 64)}, activation_bytes=64
 )
 
-of_op_only = lambda op: True  # noqa: E731  (a lambda at module level: the message names it <lambda>)
-COUNTED = Calls()   # the function the rows checkpoint or measure: it must never run
-X = torch.randn(
-    4, 4, requires_grad=True
-)  # made here: a refused call leaves the global RNG as it was
-
+# (id, function, positional arguments after fn, keyword arguments, exception, words in the message)
 SELECTIVE_CHECKPOINT = [
-    Misuse(
-        "policy str",
-        lambda: selective_checkpoint(COUNTED, X, policy="aten.mm"),
-        TypeError,
-        ("policy must be a callable", "str"),
-    ),
-    Misuse(
-        "policy None",
-        lambda: selective_checkpoint(COUNTED, X, policy=None),
-        TypeError,
-        ("policy must be a callable", "NoneType"),
-    ),
-    Misuse(
-        "policy torch.mm",
-        lambda: selective_checkpoint(COUNTED, X, policy={torch.mm}),
-        TypeError,
-        ("policy contains", "not an aten op"),
-    ),
-    Misuse(
-        "policy strings",
-        lambda: selective_checkpoint(COUNTED, X, policy=["aten.mm"]),
-        TypeError,
-        ("'aten.mm'", "not an aten op"),
-    ),
-    Misuse(
+    ("policy str", {"policy": "aten.mm"}, TypeError, ["policy must be a callable", "str"]),
+    ("policy None", {"policy": None}, TypeError, ["policy must be a callable", "NoneType"]),
+    ("policy torch.mm", {"policy": {torch.mm}}, TypeError, ["policy contains", "not an aten op"]),
+    ("policy strings", {"policy": ["aten.mm"]}, TypeError, ["'aten.mm'", "not an aten op"]),
+    (
         "policy lambda op",
-        lambda: selective_checkpoint(COUNTED, X, policy=of_op_only),
+        {"policy": lambda op: True},
         TypeError,
-        ("policy <lambda>(op)", "policy(op, *args, **kwargs)"),
+        ["policy <lambda>(op)", "policy(op, *args, **kwargs)"],
     ),
-    Misuse(
+    (
         "policy without **kwargs",
-        lambda: selective_checkpoint(COUNTED, X, policy=keep_without_kwargs),
+        {"policy": keep_without_kwargs},
         TypeError,
-        ("keep_without_kwargs(op, *args)", "keyword arguments"),
+        ["keep_without_kwargs(op, *args)", "keyword arguments"],
     ),
-    Misuse(
+    (
         "policy object, one parameter",
-        lambda: selective_checkpoint(COUNTED, X, policy=KeepOnlyOp()),
+        {"policy": KeepOnlyOp()},
         TypeError,
-        ("policy KeepOnlyOp(op)", "(op, *args, **kwargs)"),
+        ["policy KeepOnlyOp(op)", "(op, *args, **kwargs)"],
     ),
-    Misuse(
+    (
         "policy, two required",
-        lambda: selective_checkpoint(COUNTED, X, policy=two_required),
+        {"policy": two_required},
         TypeError,
-        ("two_required(op, tensor, *args, **kwargs)",),
+        ["two_required(op, tensor, *args, **kwargs)"],
     ),
-    Misuse(
+    (
         "skip_unneeded str",
-        lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, skip_unneeded="no"),
+        {"policy": save_matmuls, "skip_unneeded": "no"},
         TypeError,
-        ("selective_checkpoint", "skip_unneeded must be True or False", "'no'"),
+        ["selective_checkpoint", "skip_unneeded must be True or False", "'no'"],
     ),
-    Misuse(
+    (
         "preserve_rng_state str",
-        lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, preserve_rng_state="no"),
+        {"policy": save_matmuls, "preserve_rng_state": "no"},
         TypeError,
-        ("preserve_rng_state must be True or False", "'no'"),
+        ["preserve_rng_state must be True or False", "'no'"],
     ),
-    Misuse(
+    (
         "early_stop None",
-        lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, early_stop=None),
+        {"policy": save_matmuls, "early_stop": None},
         TypeError,
-        ("early_stop must be True or False", "None"),
+        ["early_stop must be True or False", "None"],
     ),
-    Misuse(
+    (
         "debug str",
-        lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, debug="loud"),
+        {"policy": save_matmuls, "debug": "loud"},
         TypeError,
-        ("debug must be True or False", "'loud'"),
+        ["debug must be True or False", "'loud'"],
     ),
-    Misuse(
+    (
         "plans dict",
-        lambda: selective_checkpoint(COUNTED, X, policy=save_matmuls, plans={}),
+        {"policy": save_matmuls, "plans": {}},
         TypeError,
-        ("plans must be a SelectivePlans", "dict"),
+        ["plans must be a SelectivePlans", "dict"],
     ),
-    Misuse(
+    (
         "plans without skipping",
-        lambda: selective_checkpoint(
-            COUNTED, X, policy=save_matmuls, plans=SelectivePlans(), skip_unneeded=False
-        ),
+        {"policy": save_matmuls, "plans": SelectivePlans(), "skip_unneeded": False},
         ValueError,
-        ("plans= needs skip_unneeded=True",),
+        ["plans= needs skip_unneeded=True"],
     ),
 ]
 
-MEASURING = [
-    Misuse(
-        "policy_from_costs: memory_ratio str",
-        lambda: policy_from_costs(COUNTED, X, memory_ratio="half"),
+POLICY_FROM_COSTS = [
+    (
+        "memory_ratio str",
+        {"memory_ratio": "half"},
         TypeError,
-        ("memory_ratio must be a number", "'half'", "str"),
+        ["memory_ratio must be a number", "'half'", "str"],
     ),
-    Misuse(
-        "policy_from_costs: memory_ratio bool",
-        lambda: policy_from_costs(COUNTED, X, memory_ratio=True),
+    (
+        "memory_ratio bool",
+        {"memory_ratio": True},
         TypeError,
-        ("memory_ratio must be a number", "bool"),
+        ["memory_ratio must be a number", "bool"],
     ),
-    Misuse(
-        "policy_from_costs: memory_ratio negative",
-        lambda: policy_from_costs(COUNTED, X, memory_ratio=-0.5),
+    (
+        "memory_ratio negative",
+        {"memory_ratio": -0.5},
         ValueError,
-        ("memory_ratio must be a finite number >= 0", "-0.5"),
+        ["memory_ratio must be a finite number >= 0", "-0.5"],
     ),
-    Misuse(
-        "policy_from_costs: memory_ratio nan",
-        lambda: policy_from_costs(COUNTED, X, memory_ratio=float("nan")),
+    (
+        "memory_ratio nan",
+        {"memory_ratio": float("nan")},
         ValueError,
-        ("memory_ratio", "finite", "nan"),
+        ["memory_ratio", "finite", "nan"],
     ),
-    Misuse(
-        "policy_from_costs: repeats str",
-        lambda: policy_from_costs(COUNTED, X, memory_ratio=0.5, repeats="3"),
+    (
+        "repeats str",
+        {"memory_ratio": 0.5, "repeats": "3"},
         TypeError,
-        ("repeats must be an int", "'3'"),
+        ["repeats must be an int", "'3'"],
     ),
-    Misuse(
-        "policy_from_costs: repeats zero",
-        lambda: policy_from_costs(COUNTED, X, memory_ratio=0.5, repeats=0),
+    (
+        "repeats zero",
+        {"memory_ratio": 0.5, "repeats": 0},
         ValueError,
-        ("repeats must be at least 1", "got 0"),
+        ["repeats must be at least 1", "got 0"],
     ),
-    Misuse(
-        "policy_from_costs: budget negative",
-        lambda: policy_from_costs(COUNTED, X, budget_bytes=-5),
+    (
+        "budget negative",
+        {"budget_bytes": -5},
         ValueError,
-        ("budget_bytes must be at least 0", "got -5"),
+        ["budget_bytes must be at least 0", "got -5"],
     ),
-    Misuse(
-        "policy_from_costs: budget str",
-        lambda: policy_from_costs(COUNTED, X, budget_bytes="1MB"),
+    (
+        "budget str",
+        {"budget_bytes": "1MB"},
         TypeError,
-        ("budget_bytes must be an int number of bytes", "'1MB'"),
+        ["budget_bytes must be an int number of bytes", "'1MB'"],
     ),
-    Misuse(
-        "policy_from_costs: budget float",
-        lambda: policy_from_costs(COUNTED, X, budget_bytes=1.5),
+    ("budget float", {"budget_bytes": 1.5}, TypeError, ["budget_bytes must be an int", "1.5"]),
+    (
+        "worth str",
+        {"memory_ratio": 0.5, "worth": "1"},
         TypeError,
-        ("budget_bytes must be an int", "1.5"),
+        ["worth must be a number", "'1'"],
     ),
-    Misuse(
-        "policy_from_costs: worth str",
-        lambda: policy_from_costs(COUNTED, X, memory_ratio=0.5, worth="1"),
+    (
+        "worth negative",
+        {"memory_ratio": 0.5, "worth": -1},
+        ValueError,
+        ["worth must be a finite number >= 0"],
+    ),
+    ("both budgets", {"memory_ratio": 0.5, "budget_bytes": 10}, ValueError, ["exactly one budget"]),
+    ("no budget", {}, ValueError, ["exactly one budget", "memory_ratio", "budget_bytes"]),
+]
+
+MEASURE_OP_COSTS = [
+    (
+        "repeats str",
+        {"repeats": "3"},
         TypeError,
-        ("worth must be a number", "'1'"),
+        ["measure_op_costs", "repeats must be an int", "'3'"],
     ),
-    Misuse(
-        "policy_from_costs: worth negative",
-        lambda: policy_from_costs(COUNTED, X, memory_ratio=0.5, worth=-1),
+    (
+        "repeats zero",
+        {"repeats": 0},
         ValueError,
-        ("worth must be a finite number >= 0",),
-    ),
-    Misuse(
-        "policy_from_costs: both budgets",
-        lambda: policy_from_costs(COUNTED, X, memory_ratio=0.5, budget_bytes=10),
-        ValueError,
-        ("exactly one budget",),
-    ),
-    Misuse(
-        "policy_from_costs: no budget",
-        lambda: policy_from_costs(COUNTED, X),
-        ValueError,
-        ("exactly one budget", "memory_ratio", "budget_bytes"),
-    ),
-    Misuse(
-        "measure_op_costs: repeats str",
-        lambda: measure_op_costs(COUNTED, X, repeats="3"),
-        TypeError,
-        ("measure_op_costs", "repeats must be an int", "'3'"),
-    ),
-    Misuse(
-        "measure_op_costs: repeats zero",
-        lambda: measure_op_costs(COUNTED, X, repeats=0),
-        ValueError,
-        ("measure_op_costs", "repeats must be at least 1"),
+        ["measure_op_costs", "repeats must be at least 1"],
     ),
 ]
 
 OTHER = [
-    Misuse(
+    (
         "policy_from_costs fn None",
-        lambda: policy_from_costs(None, X, memory_ratio=0.5),
+        lambda: policy_from_costs(None, _x(), memory_ratio=0.5),
         TypeError,
-        ("policy_from_costs", "fn must be the function or module to measure", "NoneType"),
+        ["policy_from_costs", "fn must be the function or module to measure", "NoneType"],
     ),
-    Misuse(
+    (
         "measure_op_costs fn str",
-        lambda: measure_op_costs("block", X),
+        lambda: measure_op_costs("block", _x()),
         TypeError,
-        ("measure_op_costs", "fn must be", "str"),
+        ["measure_op_costs", "fn must be", "str"],
     ),
-    Misuse(
+    (
         "choose_ops profile None",
         lambda: choose_ops(None, 100),
         TypeError,
-        ("profile must be a CostProfile", "NoneType"),
+        ["profile must be a CostProfile", "NoneType"],
     ),
-    Misuse(
+    (
         "choose_ops budget negative",
         lambda: choose_ops(_PROFILE, -5),
         ValueError,
-        ("budget_bytes must be at least 0",),
+        ["budget_bytes must be at least 0"],
     ),
-    Misuse(
+    (
         "choose_ops budget str",
         lambda: choose_ops(_PROFILE, "100"),
         TypeError,
-        ("budget_bytes must be an int",),
+        ["budget_bytes must be an int"],
     ),
-    Misuse(
+    (
         "choose_ops worth str",
         lambda: choose_ops(_PROFILE, 100, worth="high"),
         TypeError,
-        ("worth must be a number",),
+        ["worth must be a number"],
     ),
-    Misuse(
+    (
         "selective_contexts replay_random",
         lambda: selective_contexts(save_matmuls, replay_random="yes"),
         TypeError,
-        ("selective_contexts", "replay_random must be True or False", "'yes'"),
+        ["selective_contexts", "replay_random must be True or False", "'yes'"],
     ),
-    Misuse(
+    (
         "selective_contexts skip_unneeded",
         lambda: selective_contexts(save_matmuls, skip_unneeded=1),
         TypeError,
-        ("selective_contexts", "skip_unneeded must be True or False", "1 (int)"),
+        ["selective_contexts", "skip_unneeded must be True or False", "1 (int)"],
     ),
-    Misuse(
+    (
         "selective_contexts policy",
         lambda: selective_contexts(lambda op: True),
         TypeError,
-        ("<lambda>(op) cannot be called as policy(op, *args, **kwargs)",),
+        ["<lambda>(op) cannot be called as policy(op, *args, **kwargs)"],
     ),
-    Misuse(
+    (
         "megatron_attention called with torch.mm",
         lambda: megatron_attention(torch.mm, torch.zeros(2, 2)),
         TypeError,
-        (
+        [
             "megatron_attention is a policy",
             "builtin_function_or_method",
             "policy=megatron_attention",
-        ),
+        ],
     ),
-    Misuse(
+    (
         "checkpointed fn str",
-        lambda: selective_checkpoint("block", X, policy=save_matmuls),
+        lambda: selective_checkpoint("block", _x(), policy=save_matmuls),
         TypeError,
-        ("fn must be callable", "str"),
+        ["fn must be callable", "str"],
     ),
 ]
 
 
-@pytest.mark.parametrize("row", rows(SELECTIVE_CHECKPOINT))
+def _check(call, exception, words) -> None:
+    with pytest.raises(exception) as info:
+        call()
+    message = str(info.value)
+    missing = [word for word in words if word not in message]
+    assert not missing, f"{missing} not in: {message}"
+    assert_nothing_installed()
+
+
+@pytest.mark.parametrize(
+    "kwargs, exception, words",
+    [row[1:] for row in SELECTIVE_CHECKPOINT],
+    ids=[row[0] for row in SELECTIVE_CHECKPOINT],
+)
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
-def test_selective_checkpoint_rejects_at_the_call(row, grad):
-    COUNTED.count = 0
+def test_selective_checkpoint_rejects_at_the_call(kwargs, exception, words, grad):
+    fn = Calls()
     with torch.set_grad_enabled(grad):
-        assert_refused(row)
-    assert COUNTED.count == 0
+        _check(lambda: selective_checkpoint(fn, _x(), **kwargs), exception, words)
+    assert fn.count == 0
 
 
-@pytest.mark.parametrize("row", rows(MEASURING))
-def test_measuring_functions_reject_before_measuring(row):
-    COUNTED.count = 0
-    assert_refused(row)
-    assert COUNTED.count == 0
+MEASURING = [(policy_from_costs, *row) for row in POLICY_FROM_COSTS] + [
+    (measure_op_costs, *row) for row in MEASURE_OP_COSTS
+]
 
 
-@pytest.mark.parametrize("row", rows(OTHER))
-def test_other_selective_functions_reject_at_the_call(row):
-    assert_refused(row)
+@pytest.mark.parametrize(
+    "function, kwargs, exception, words",
+    [(row[0], *row[2:]) for row in MEASURING],
+    ids=[f"{row[0].__name__}: {row[1]}" for row in MEASURING],
+)
+def test_measuring_functions_reject_before_measuring(function, kwargs, exception, words):
+    fn = Calls()
+    _check(lambda: function(fn, _x(), **kwargs), exception, words)
+    assert fn.count == 0
+
+
+@pytest.mark.parametrize(
+    "call, exception, words", [row[1:] for row in OTHER], ids=[row[0] for row in OTHER]
+)
+def test_other_selective_functions_reject_at_the_call(call, exception, words):
+    _check(call, exception, words)
 
 
 def test_a_failed_call_leaves_the_plans_untouched():
@@ -343,8 +327,13 @@ def test_a_failed_call_leaves_the_plans_untouched():
     plans = SelectivePlans()
     selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
     before = repr(plans)
-    for kwargs in ({"preserve_rng_state": "no"}, {"early_stop": None}, {"debug": "loud"},
-                   {"skip_unneeded": "yes"}, {"policy": lambda op: True}):
+    for kwargs in (
+        {"preserve_rng_state": "no"},
+        {"early_stop": None},
+        {"debug": "loud"},
+        {"skip_unneeded": "yes"},
+        {"policy": lambda op: True},
+    ):
         with pytest.raises(TypeError):
             selective_checkpoint(block, x, **{"policy": save_matmuls, "plans": plans, **kwargs})
         assert repr(plans) == before
@@ -410,7 +399,7 @@ def test_plans_warn_once_where_they_cannot_help():
             selective_checkpoint(
                 torch.Tensor.relu, x, policy=save_matmuls, plans=plans
             ).sum().backward()
-    assert len(caught) == 1 and caught[0].filename == __file__     # points at the caller's line
+    assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller's line
     assert plans.reused == 0
 
 
@@ -421,7 +410,9 @@ def test_the_old_import_path_gives_the_same_objects():
 
     for name in new.__all__:
         assert getattr(old, name) is getattr(new, name), name
-    assert old._OpGraph is new.opgraph._OpGraph and old._signature is new.signatures._signature
+    assert (
+        old.OpGraph is new.opgraph.OpGraph and old.call_signature is new.signatures.call_signature
+    )
     assert ckptlib.selective_checkpoint is new.selective_checkpoint
     with pytest.raises(AttributeError, match="no attribute '_nothing_here'"):
         old._nothing_here
@@ -439,8 +430,12 @@ def test_a_value_read_into_python_is_named_with_the_fix():
     with pytest.raises(CheckpointError) as caught:
         selective_checkpoint(_reads_a_value_into_python, w, policy=save_matmuls).sum().backward()
     message = str(caught.value)
-    for words in ("called aten._to_copy.default 1 times", "stand-in of an op the rerun skipped",
-                  ".tolist()", "skip_unneeded=False"):
+    for words in (
+        "called aten._to_copy.default 1 times",
+        "stand-in of an op the rerun skipped",
+        ".tolist()",
+        "skip_unneeded=False",
+    ):
         assert words in message, message
     assert_nothing_installed()
     # The fix the message names: every op reruns, and the gradient is plain autograd's.
@@ -456,7 +451,7 @@ def test_an_extra_op_on_real_tensors_is_named_as_a_branch_not_a_skipped_value():
 
     def branches(t):
         if is_recomputing():
-            t.exp()                 # an op the rerun calls and the forward pass did not
+            t.exp()  # an op the rerun calls and the forward pass did not
         return (t @ t).relu()
 
     with pytest.raises(CheckpointError) as caught:

@@ -35,7 +35,7 @@ from ckptlib.selective import (
     selective_contexts,
 )
 
-from tests.core.test_checkpoint import UNARY, assert_bitwise, grads_of, saved_hooks_installed
+from tests.test_checkpoint import UNARY, assert_bitwise, grads_of, saved_hooks_installed
 
 aten = torch.ops.aten
 
@@ -228,14 +228,14 @@ def test_output_modified_in_place_after_saving_is_recomputed():
 
     def fn(t):
         y = t @ w
-        y.mul_(3)            # the cached mm output is now 3x the mm: stale
+        y.mul_(3)  # the cached mm output is now 3x the mm: stale
         return y.sin()
 
     x = torch.randn(4, 8, requires_grad=True)
     expected = torch.autograd.grad(fn(x).sum(), (x, w))
     forward_mode, recompute_mode = selective_contexts({aten.mm})
     out = checkpoint(fn, x, context_fn=lambda: (forward_mode, recompute_mode))
-    assert forward_mode.cache.saved[aten.mm.default] == {}   # dropped when forward ended
+    assert forward_mode.cache.saved[aten.mm.default] == {}  # dropped when forward ended
     with OpCounter() as counter:
         actual = torch.autograd.grad(out.sum(), (x, w))
     assert_bitwise_equal(list(actual), list(expected))
@@ -244,8 +244,8 @@ def test_output_modified_in_place_after_saving_is_recomputed():
 
 def test_view_of_saved_output_modified_in_place_later():
     def fn(t):
-        y = t * 2            # mul by a number saves nothing, so y may be modified in place
-        y[0].zero_()         # through a view of the saved output
+        y = t * 2  # mul by a number saves nothing, so y may be modified in place
+        y[0].zero_()  # through a view of the saved output
         return y.sin()
 
     x = torch.randn(4, 8, requires_grad=True)
@@ -280,7 +280,7 @@ def test_dropping_the_graph_frees_the_cache():
     x = torch.randn(64, 64, requires_grad=True)
     with MemoryMeter() as meter:
         out = selective_checkpoint(lambda t: (t @ t).relu() @ t, x, policy=save_matmuls)
-        assert meter.live_bytes == 2 * 64 * 64 * 4   # the first mm in the cache, the output
+        assert meter.live_bytes == 2 * 64 * 64 * 4  # the first mm in the cache, the output
         del out
         assert meter.live_bytes == 0
 
@@ -290,7 +290,7 @@ def test_changed_control_flow_raises():
 
     def fn(t):
         calls.append(None)
-        if len(calls) > 1:   # one more mm in the recomputation
+        if len(calls) > 1:  # one more mm in the recomputation
             with torch.no_grad():
                 t @ t
         return (t @ t).relu()
@@ -319,11 +319,14 @@ def test_changed_shapes_raise():
         out.sum().backward()
 
 
-@pytest.mark.parametrize("policy, message", [
-    ({torch.mm}, "not an aten op"),
-    (["aten.mm"], "not an aten op"),
-    ("aten.mm", "must be a callable"),
-])
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        ({torch.mm}, "not an aten op"),
+        (["aten.mm"], "not an aten op"),
+        ("aten.mm", "must be a callable"),
+    ],
+)
 def test_bad_policies_are_rejected(policy, message):
     x = torch.randn(2, 2, requires_grad=True)
     with pytest.raises(TypeError, match=message):
@@ -398,7 +401,7 @@ def test_measure_op_costs_does_not_count_a_transposed_weight_as_an_activation():
     lin = torch.nn.Linear(32, 64)
     x = torch.randn(16, 32, requires_grad=True)  # so addmm saves weight.t() to compute x's gradient
     profile = measure_op_costs(lambda t: lin(t).relu(), x, repeats=1)
-    assert profile.activation_bytes == 16 * 64 * 4     # relu's output only
+    assert profile.activation_bytes == 16 * 64 * 4  # relu's output only
 
 
 def test_choose_ops_is_greedy_by_time_per_byte_and_deterministic():
@@ -453,14 +456,18 @@ def test_rerun_skips_the_ops_that_only_fed_a_kept_output():
     y = selective_checkpoint(block, x, policy={aten._softmax})
     with OpCounter() as ours:
         y.sum().backward()
-    torch_y = torch_checkpoint(block, x, use_reentrant=False, context_fn=functools.partial(
-        create_selective_checkpoint_contexts, [aten._softmax.default]))
-    with OpCounter() as theirs:      # torch's rerun is not ckptlib's: all its ops count as "other"
+    torch_y = torch_checkpoint(
+        block,
+        x,
+        use_reentrant=False,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, [aten._softmax.default]),
+    )
+    with OpCounter() as theirs:  # torch's rerun is not ckptlib's: all its ops count as "other"
         torch_y.sum().backward()
     ran = ours.recompute
     assert ran["_softmax"] == ran["masked_fill"] == ran["mul"] == 0
-    assert ran["bmm"] == 1                                     # weights @ v: its output is needed
-    assert ran["addmm"] == 3 and ran["native_layer_norm"] == 2   # the rest still reruns
+    assert ran["bmm"] == 1  # weights @ v: its output is needed
+    assert ran["addmm"] == 3 and ran["native_layer_norm"] == 2  # the rest still reruns
     ours_total = ours.recompute + ours.other
     for op, skipped in {"masked_fill": 1, "bmm": 1, "mul": 1}.items():
         assert theirs.other[op] - ours_total[op] == skipped, op
@@ -515,7 +522,7 @@ def test_plan_is_made_only_when_the_checkpoint_reports_saved_tensors():
     assert forward_mode.cache.skippable is None
     with OpCounter() as counter:
         y.sum().backward()
-    assert counter.other["masked_fill"] == 2       # rerun and backward
+    assert counter.other["masked_fill"] == 2  # rerun and backward
     forward_mode, _ = selective_contexts({aten._softmax})
     assert callable(forward_mode.observe_saved_tensors())
 
@@ -650,8 +657,12 @@ def test_skipping_with_nested_checkpoints_inside(policy):
     assert_bitwise(
         expected, grads_of(lambda: selective_checkpoint(outer, x, policy=policy), [x, w])
     )
-    assert_bitwise(expected, grads_of(
-        lambda: checkpoint(lambda t: selective_checkpoint(outer, t, policy=policy), x), [x, w]))
+    assert_bitwise(
+        expected,
+        grads_of(
+            lambda: checkpoint(lambda t: selective_checkpoint(outer, t, policy=policy), x), [x, w]
+        ),
+    )
     assert not saved_hooks_installed()
 
 
@@ -698,8 +709,11 @@ def other_module(model: str) -> tuple[Callable, torch.Tensor, list[torch.Tensor]
             torch.randint(50, (2, 8)),
             [embedding.weight],
         )
-    module = (torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
-              if model == "encoder_layer" else FusedAttention())
+    module = (
+        torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+        if model == "encoder_layer"
+        else FusedAttention()
+    )
     inp = torch.randn(2, 8, 32, requires_grad=True)
     return module, inp, [inp, *module.parameters()]
 
@@ -795,7 +809,7 @@ def test_reused_call_runs_no_forward_mode_and_reruns_like_the_recording(monkeypa
         with OpCounter() as counter:
             y.sum().backward()
         ran.append(counter.recompute)
-    assert kept[0] > 0 and kept[1] == 0           # the reused call's forward saw no dispatch mode
+    assert kept[0] > 0 and kept[1] == 0  # the reused call's forward saw no dispatch mode
     # The reused rerun skips and replays exactly what the recording call's did: only the layer
     # norms, the first MLP linear and the GELU run again (the softmax, q/k/v and the residual
     # sum are saved by autograd, so they come back from the saved tensors).
@@ -829,7 +843,7 @@ def test_changed_saved_tensors_fall_back_to_full_recompute_and_stop_reusing():
     def f(t):
         h = (t @ w).tanh()
         if flags["sin"]:
-            h = h.sin()      # saves its input: the saved tensors differ from the plan's
+            h = h.sin()  # saves its input: the saved tensors differ from the plan's
         return h @ w
 
     plans = SelectivePlans()
@@ -859,11 +873,11 @@ def test_changed_ops_with_the_same_saved_tensors_rerun_as_full_checkpointing():
     def f(t):
         scale = torch.full((4, 8), 2.0)
         if flags["twice"]:
-            scale = scale.neg().neg()   # no grad: no autograd node, nothing saved
+            scale = scale.neg().neg()  # no grad: no autograd node, nothing saved
         return ((t @ w) * scale) @ w
 
     plans = SelectivePlans()
-    with OpCounter():     # the caller's dispatch modes are part of the signature: the same here
+    with OpCounter():  # the caller's dispatch modes are part of the signature: the same here
         selective_checkpoint(f, x, policy=save_matmuls, plans=plans).sum().backward()
     flags["twice"] = True
     counters = []
@@ -887,7 +901,7 @@ def test_changed_ops_with_the_same_saved_tensors_rerun_as_full_checkpointing():
         0,
     )
     assert counters[0]["full"] == 2 and counters[0]["neg"] == 2 and counters[0]["mm"] == 1
-    assert counters[1]["full"] == 1 and counters[1]["mm"] == 0     # then: no plans, plain selective
+    assert counters[1]["full"] == 1 and counters[1]["mm"] == 0  # then: no plans, plain selective
 
 
 def test_changed_node_order_falls_back_in_forward():
@@ -898,7 +912,7 @@ def test_changed_node_order_falls_back_in_forward():
     def f(t):
         h = torch.neg(t @ w)
         if flags["twice"]:
-            h = torch.neg(h)    # saves nothing, but it is an autograd node: later ones move
+            h = torch.neg(h)  # saves nothing, but it is an autograd node: later ones move
         return h @ w
 
     plans = SelectivePlans()
@@ -951,8 +965,8 @@ def test_rerun_that_needs_a_skipped_result_runs_again_without_skipping():
 
     def f(t):
         q = t @ w
-        k = q.exp()                     # kept: q is not needed for k...
-        mask = torch.ones(4, 8, device=q.device).tril()   # ...except for its device
+        k = q.exp()  # kept: q is not needed for k...
+        mask = torch.ones(4, 8, device=q.device).tril()  # ...except for its device
         return (k * mask).sin()
 
     expected = grads_of(lambda: f(x), [x, w], seed=0)
@@ -979,9 +993,9 @@ def test_plans_are_per_signature():
     for shape in [(2, 16, 32), (2, 16, 32), (3, 16, 32), (2, 8, 32)]:
         x = torch.randn(*shape, requires_grad=True)
         selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
-    x = torch.randn(2, 16, 32)                  # no requires_grad: another signature
+    x = torch.randn(2, 16, 32)  # no requires_grad: another signature
     selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
-    block.eval()                                # dropout off: another signature
+    block.eval()  # dropout off: another signature
     selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
     selective_checkpoint(
         block, x, policy={aten._softmax}, plans=plans
@@ -1125,6 +1139,7 @@ def test_bad_plans_arguments():
         ):  # a method descriptor cannot be weakly referenced: never reused, no error
             selective_checkpoint(torch.Tensor.sin, x, policy=set(), plans=plans).sum().backward()
     assert len(plans) == 0 and plans.reused == 0
+
     def g(t, extra):
         return t.sin()
 
@@ -1250,9 +1265,9 @@ def test_plans_that_die_with_a_function_made_per_call_are_named_once():
         and "Define the function once" in messages[0]
     )
     with warnings.catch_warnings():
-        warnings.simplefilter("error")       # one function, defined once: reused, nothing to say
+        warnings.simplefilter("error")  # one function, defined once: reused, nothing to say
         plans = SelectivePlans()
-        block = lambda t: linear(t).tanh()   # noqa: E731
+        block = lambda t: linear(t).tanh()  # noqa: E731
         for _ in range(3):
             selective_checkpoint(block, x, policy=save_matmuls, plans=plans).sum().backward()
     assert (plans.recorded, plans.reused) == (1, 2)

@@ -59,6 +59,10 @@ def _imports(module: str) -> list[tuple[ast.stmt, str, list[str], bool]]:
     return found
 
 
+def _line(module: str, lineno: int) -> str:
+    return MODULES[module].read_text().splitlines()[lineno - 1]
+
+
 def _edges() -> dict[str, set[str]]:
     """module -> the ckptlib modules it imports at import time (parents packages left out: importing
     ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first, which is not an edge of the graph)."""
@@ -98,12 +102,13 @@ def test_no_import_cycles():
 
 def test_no_ckptlib_imports_inside_functions():
     """A function-level import of a ckptlib module hides a cycle; heavy optional packages
-    (matplotlib, ipywidgets, transformers, graphviz) may still be imported lazily."""
+    (matplotlib, ipywidgets, transformers, graphviz) may still be imported lazily, and so may a
+    ckptlib module that is optional by design, said on the line (``# lazy import: <why>``)."""
     hidden = [
         f"{MODULES[module].relative_to(ROOT.parent)}:{statement.lineno} imports {target}"
         for module in MODULES
         for statement, target, _, in_function in _imports(module)
-        if in_function
+        if in_function and "# lazy import:" not in _line(module, statement.lineno)
     ]
     assert not hidden, "imports inside functions:\n" + "\n".join(hidden)
 
