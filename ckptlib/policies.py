@@ -14,7 +14,7 @@ from typing import Any
 from ckptlib.selective import *  # noqa: F401,F403  (the public names, as before)
 from ckptlib.selective import __all__  # noqa: F401
 
-_MODULES = ("entry", "modes", "cache", "opgraph", "ops", "plans", "signatures", "costs")
+_MODULES = ("entry", "policy", "modes", "cache", "opgraph", "ops", "plans", "signatures", "costs")
 # one storage rule for checkpoint and selective
 _RENAMED = {"_storage_key": ("ckptlib.storage", "storage_ptr")}
 
