@@ -35,7 +35,7 @@ from ckptlib.selective import (
     selective_contexts,
 )
 
-from tests.test_checkpoint import UNARY, assert_bitwise, grads_of, saved_hooks_installed
+from tests.core.test_checkpoint import UNARY, assert_bitwise, grads_of, saved_hooks_installed
 
 aten = torch.ops.aten
 

@@ -24,7 +24,7 @@ from ckptlib.selective import (
     selective_checkpoint,
     selective_contexts,
 )
-from tests.test_policies import OpCounter
+from tests.selective.test_policies import OpCounter
 
 aten = torch.ops.aten
 VOCAB = 128
