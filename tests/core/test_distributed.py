@@ -1,4 +1,5 @@
-"""ckptlib.checkpoint inside data-parallel training: DDP and FSDP2 on 2 CPU processes (gloo).
+"""ckptlib.checkpoint inside data-parallel training: DDP and FSDP2 on 2 CPU processes (gloo), with
+the models' own switch and with ckptlib.apply_checkpointing.
 
 One spawn of two workers runs every case (starting processes that import torch
 is the slow part); each worker writes what it measured to a file, and the tests
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ckptlib.apply import apply_checkpointing
 from ckptlib.models import TinyTransformer
 
 pytestmark = pytest.mark.slow   # two fresh processes import torch (and DDP imports torch._dynamo)
@@ -34,9 +36,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def make_model(checkpointing: str) -> TinyTransformer:
-    return TinyTransformer(depth=2, d_model=32, heads=2, seq=16, vocab=50, dropout=0.1,
-                           checkpointing=checkpointing, seed=0)
+MODES = ("none", "block", "applied")   # "applied": no switch, ckptlib.apply_checkpointing(model)
+
+
+def make_model(mode: str) -> TinyTransformer:
+    model = TinyTransformer(depth=2, d_model=32, heads=2, seq=16, vocab=50, dropout=0.1,
+                            checkpointing="none" if mode == "applied" else mode, seed=0)
+    if mode == "applied":   # before DDP wraps it or FSDP2 shards it, as a user would
+        apply_checkpointing(model)
+    return model
 
 
 def train(model: torch.nn.Module, rank: int, full_gradients) -> list[dict[str, torch.Tensor]]:
@@ -66,7 +74,7 @@ def ddp_case(rank: int) -> dict:
         return {name: p.grad.detach().clone() for name, p in model.module.named_parameters()}
 
     return {mode: train(DistributedDataParallel(make_model(mode)), rank, gradients)
-            for mode in ("none", "block")}
+            for mode in MODES}
 
 
 def fsdp_case(rank: int) -> dict:
@@ -84,7 +92,7 @@ def fsdp_case(rank: int) -> dict:
     def gradients(model):  # full_tensor() is a collective: every rank calls it, in the same order
         return {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
 
-    return {mode: train(sharded(mode), rank, gradients) for mode in ("none", "block")}
+    return {mode: train(sharded(mode), rank, gradients) for mode in MODES}
 
 
 def worker(rank: int, port: int, out_dir: str) -> None:
@@ -138,6 +146,7 @@ def assert_same_steps(plain: list[dict], checkpointed: list[dict]) -> None:
 def test_ddp_gradients_equal_without_checkpointing(results):
     for rank_results in results:
         assert_same_steps(rank_results["ddp"]["none"], rank_results["ddp"]["block"])
+        assert_same_steps(rank_results["ddp"]["none"], rank_results["ddp"]["applied"])
     # DDP averaged the ranks' gradients: both ranks hold the same ones.
     assert_same_steps(results[0]["ddp"]["block"], results[1]["ddp"]["block"])
 
@@ -154,4 +163,5 @@ def test_fsdp2_gradients_equal_without_checkpointing(results):
         )
     for rank_results in results:
         assert_same_steps(rank_results["fsdp"]["none"], rank_results["fsdp"]["block"])
+        assert_same_steps(rank_results["fsdp"]["none"], rank_results["fsdp"]["applied"])
     assert_same_steps(results[0]["fsdp"]["block"], results[1]["fsdp"]["block"])
