@@ -183,7 +183,8 @@ def measure(rounds: int) -> dict:
                         step(run, fn, x)
                     samples[name].append((time.process_time() - began) / steps * 1e6)
         median = {name: statistics.median(values) for name, values in samples.items()}
-        quartiles = {name: statistics.quantiles(values, n=4) for name, values in samples.items()}
+        quartiles = {name: statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+                     for name, values in samples.items()}
         cost = {name: median[name] - median["plain"] for name in names if name != "plain"}
         results[workload] = {
             "median_us_per_step": {name: round(value, 1) for name, value in median.items()},
