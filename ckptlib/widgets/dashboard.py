@@ -207,11 +207,14 @@ class MemoryDashboard(WidgetView):
 
     def _build_controls(self, depth: int, max_depth: int, batch: int, max_batch: int, steps: int,
                         fixed_batch: bool) -> None:
+        # Fixed widths: the toggle's words change with its state and the schedule, and a row that
+        # grew with them would wrap at 1100 px and move the plot. A longer label ends in "...",
+        # and the tooltip says it whole.
         self.checkpointing = widgets.ToggleButton(
             value=False, tooltip="Recompute activations in backward instead of keeping them",
-            layout=widgets.Layout(width="auto", min_width="210px"))
+            layout=widgets.Layout(width="235px"))
         self.schedule = widgets.Dropdown(options=self._menu(), value=OFF, description="schedule",
-                                         layout=widgets.Layout(width="auto"))
+                                         layout=widgets.Layout(width="250px"))
         self.depth = widgets.IntSlider(value=depth, min=1, max=max_depth, description="depth",
                                        disabled=not self._own_model)
         # min=0 on purpose: a learner may slide to an empty batch, and is told why it cannot run.
@@ -287,6 +290,9 @@ class MemoryDashboard(WidgetView):
         # "on" names the schedule it runs, so a schedule picked earlier never comes back unseen.
         self.checkpointing.description = (f"checkpointing: ON · {self.schedule.value}" if on
                                           else "checkpointing: OFF")
+        self.checkpointing.tooltip = (f"{self.checkpointing.description}: recompute activations "
+                                      "in backward instead of keeping them" if on else
+                                      "Recompute activations in backward instead of keeping them")
         self.checkpointing.icon = "check" if on else "times"
         self.checkpointing.button_style = "success" if on else ""
 
