@@ -60,11 +60,13 @@ def test_markdown_goes_between_the_markers_or_says_what_to_add(region_cost, tmp_
     result = region_cost.measure(rounds=1)
     readme = tmp_path / "README.md"
     readme.write_text(
-        f"before\n{region_cost.MARKDOWN_BEGIN}\nstale table text\n{region_cost.MARKDOWN_END}\nafter\n"
+        f"before\n{region_cost.MARKDOWN_BEGIN}\nstale table text\n"
+        f"{region_cost.MARKDOWN_END}\nafter\n"
     )
     region_cost.write_markdown(readme, result)
     text = readme.read_text()
-    assert text.startswith("before\n") and text.endswith("after\n") and "stale table text" not in text
+    assert text.startswith("before\n") and text.endswith("after\n")
+    assert "stale table text" not in text
     readme.write_text("no markers here\n")
     with pytest.raises(SystemExit, match="region-cost markers"):
         region_cost.write_markdown(readme, result)
