@@ -124,14 +124,13 @@ class replay:
     (A class, not a generator function: it runs at every rerun.)
     """
 
-    __slots__ = ("state", "caller", "use", "after")
+    __slots__ = ("state", "caller", "use")
 
     def __init__(self, state: RNGState) -> None:
         if not isinstance(state, RNGState):
             raise TypeError("replay: state must be an RNGState from rng.capture(...), got "
                             f"{type(state).__name__}.")
         self.state = state
-        self.after: RNGState | None = None   # the block's end state, if another thread overlapped
 
     def __enter__(self) -> "in_use":
         state = self.state
@@ -146,8 +145,6 @@ class replay:
 
     def __exit__(self, *exc_info: object) -> None:
         self.use.__exit__()
-        if self.use.overlapped:
-            self.after = capture_devices(self.state.cuda_devices)
         caller = self.caller
         torch.set_rng_state(caller.cpu)
         for device, device_state in zip(caller.cuda_devices, caller.cuda_states):
@@ -273,12 +270,12 @@ _users: list[in_use] = []
 def shared_with_another_thread(before: RNGState, after: RNGState | None, overlap: set,
                                replays: Iterable["replay"] = ()) -> str | None:
     """Why a rerun is refused when another thread's checkpoint used a generator this region draws
-    from while the region's forward (``overlap``, the state it left ``after``) or its ``replays``
-    ran; ``None`` when none did. Whether the region draws at all is read from the state it left."""
+    from while the region's forward (``overlap``) or its ``replays`` ran; ``None`` when none did.
+    Whether the region draws at all is read from the state its forward left (``after``): read
+    in the forward's own thread, never from a generator another thread may be moving."""
     for run in replays:
         if run.use.overlapped:
             overlap = overlap | run.use.overlapped
-            after = after or run.after
     drawn = drawn_from(before, after) & overlap if overlap and after is not None else set()
     if not drawn:
         return None

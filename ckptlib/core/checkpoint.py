@@ -175,7 +175,7 @@ class Frame:
         return holder
 
     def forward_done(self, output: Any, rng_use: rng.in_use | None) -> None:
-        if rng_use is not None and rng_use.overlapped:   # another thread drew meanwhile: did we?
+        if rng_use is not None:   # what the forward left: did this region draw at all?
             self.rng_after = rng.capture_devices(self.rng.cuda_devices)
             self.rng_overlap = rng_use.overlapped
         if not self.keys:   # nothing saved, so nothing will be recomputed: let the inputs go
