@@ -87,7 +87,7 @@ def floor_checkpoint(fn: Callable[..., Any], *args: torch.Tensor) -> Any:
 class _NoGuards:
     """A guards observer that checks nothing (``ckptlib, hooks only`` and ``+ RNG``, ``+ keys``)."""
 
-    def __init__(self, fn: Any, inputs: list[torch.Tensor]) -> None:
+    def __init__(self, fn: Any, inputs: list[torch.Tensor], *rest: Any) -> None:
         pass
 
     def mismatch_causes(self) -> str:

@@ -5,11 +5,12 @@ activations back. If the region draws random numbers (dropout), the second run
 must draw the *same* numbers, or the recomputed activations belong to a
 different network than the one whose output the loss saw. So at forward we take
 a snapshot of every generator the region may use, and at recomputation we run
-under that snapshot inside ``torch.random.fork_rng``, which puts the caller's
-generators back afterwards: recomputing never moves the caller's RNG stream.
+under that snapshot (:class:`replay`, which does what ``torch.random.fork_rng``
+does for just these generators: it puts the caller's states back afterwards).
+Recomputing never moves the caller's RNG stream.
 
 Threads. There is one CPU generator per process (and one per CUDA device), shared
-by all threads. A replay sets it, the region draws, ``fork_rng`` puts it back: if
+by all threads. A replay sets it, the region draws, the replay puts it back: if
 another thread draws or replays in between, both runs see each other's numbers and
 the recomputed dropout masks are not the forward's. ``in_use`` registers a
 checkpoint's forward and rerun as users of their generators, so a checkpoint can
@@ -49,23 +50,26 @@ import threading
 import types
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
 
-# Not frozen: a frozen dataclass is slower to make, and two are made per call.
-@dataclass(slots=True)
 class RNGState:
-    """The generators' states at one moment: always the CPU one, CUDA ones if CUDA is up."""
+    """The generators' states at one moment: always the CPU one, CUDA ones if CUDA is up.
 
-    cpu: torch.Tensor
-    cuda_devices: tuple[int, ...] = ()
-    cuda_states: tuple[torch.Tensor, ...] = field(default=())
-    # (generator, its state)
-    caller_generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()
+    (A plain class with slots: two are made per checkpoint call.)"""
+
+    __slots__ = ("cpu", "cuda_devices", "cuda_states", "caller_generators")
+
+    def __init__(self, cpu: torch.Tensor, cuda_devices: tuple[int, ...] = (),
+                 cuda_states: tuple[torch.Tensor, ...] = (),
+                 caller_generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()) -> None:
+        self.cpu = cpu
+        self.cuda_devices = cuda_devices
+        self.cuda_states = cuda_states
+        self.caller_generators = caller_generators   # (generator, its state)
 
     @property
     def generators(self) -> frozenset:
@@ -74,8 +78,13 @@ class RNGState:
             return _CPU_ONLY
         return frozenset(["cpu", *(("cuda", device) for device in self.cuda_devices)])
 
+    def __repr__(self) -> str:
+        return (f"RNGState(cpu, cuda_devices={self.cuda_devices}, "
+                f"{len(self.caller_generators)} caller generator(s))")
+
 
 _CPU_ONLY = frozenset(["cpu"])
+_CPU_GENERATOR = torch.default_generator
 
 
 def cuda_devices_of(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
@@ -108,11 +117,13 @@ def capture(tensors: Iterable[torch.Tensor],
 def capture_devices(cuda_devices: tuple[int, ...],
                     generators: Iterable[torch.Generator] = ()) -> RNGState:
     """Snapshot the CPU generator, those of ``cuda_devices`` and the caller's ``generators``."""
+    if not cuda_devices and not generators:   # the common case: the CPU generator alone
+        return RNGState(_CPU_GENERATOR.get_state())
     return RNGState(
-        cpu=torch.get_rng_state(),
-        cuda_devices=cuda_devices,
-        cuda_states=tuple(torch.cuda.get_rng_state(d) for d in cuda_devices),
-        caller_generators=tuple((g, g.get_state()) for g in generators),
+        _CPU_GENERATOR.get_state(),
+        cuda_devices,
+        tuple(torch.cuda.get_rng_state(d) for d in cuda_devices),
+        tuple((g, g.get_state()) for g in generators),
     )
 
 
@@ -134,23 +145,23 @@ class replay:
 
     def __enter__(self) -> "in_use":
         state = self.state
-        self.caller = capture_devices(state.cuda_devices, (g for g, _ in state.caller_generators))
-        torch.set_rng_state(state.cpu)
-        for device, device_state in zip(state.cuda_devices, state.cuda_states):
-            torch.cuda.set_rng_state(device_state, device)
-        for generator, generator_state in state.caller_generators:
-            generator.set_state(generator_state)
+        self.caller = capture_devices(state.cuda_devices, tuple(
+            generator for generator, _ in state.caller_generators))
+        _set_states(state)
         self.use = in_use(state)
         return self.use.__enter__()
 
     def __exit__(self, *exc_info: object) -> None:
         self.use.__exit__()
-        caller = self.caller
-        torch.set_rng_state(caller.cpu)
-        for device, device_state in zip(caller.cuda_devices, caller.cuda_states):
-            torch.cuda.set_rng_state(device_state, device)
-        for generator, generator_state in caller.caller_generators:
-            generator.set_state(generator_state)
+        _set_states(self.caller)
+
+
+def _set_states(state: RNGState) -> None:
+    _CPU_GENERATOR.set_state(state.cpu)
+    for device, device_state in zip(state.cuda_devices, state.cuda_states):
+        torch.cuda.set_rng_state(device_state, device)
+    for generator, generator_state in state.caller_generators:
+        generator.set_state(generator_state)
 
 
 def generators_reachable(fn: Callable[..., Any], arguments: Iterable[Any]) -> list[torch.Generator]:

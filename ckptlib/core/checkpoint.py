@@ -68,6 +68,8 @@ _NOTHING = contextlib.nullcontext()       # stateless: one for every call
 _NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 _make_saved_tensor = getattr(torch._C._autograd, "_make_saved_tensor", None)   # None on older torch
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_dispatch_modes = torch._C._len_torch_dispatch_stack   # Python dispatch modes now active
 _NO_CONTEXTS = (_NOTHING, _NOTHING)   # no context_fn: stateless, shared
 _DETERMINISM_CHECKS = ("default", "none")
 _USED = object()   # a holder's entry once its tensor was handed to backward
@@ -111,15 +113,15 @@ class Frame:
         self.fn, self.number = fn, next(_region_numbers)
         if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
             leaves, self.spec = tree_flatten((args, kwargs), is_leaf=_is_size)
-        else:   # the common case, tensors only: no pytree
-            leaves, self.spec = list(args), None
-        self.positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        inputs = [leaves[i] for i in self.positions]
-        self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            self.positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+            inputs = [leaves[i] for i in self.positions]
+            self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        else:   # the common case, tensors only: the inputs are the arguments, no pytree
+            inputs, self.spec, self.positions, self.leaves = list(args), None, None, ()
         self.saved_inputs: Callable[[], list[torch.Tensor]] | None = save_inputs(inputs)
         self.input_ptrs = storage_ptrs(inputs)
         self.rng = rng.capture_devices(rng.cuda_devices_of(inputs), rng.generators_reachable(
-            fn, self.leaves if self.spec is not None else ())) if preserve_rng_state else None
+            fn, self.leaves)) if preserve_rng_state else None
         self.rng_after: rng.RNGState | None = None
         self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
         self.autocast = _autocast_state()
@@ -129,7 +131,7 @@ class Frame:
         self.keys: list[tuple] = []   # the key of each saved tensor, in pack order
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
-        self.guards = guards.Guards(fn, inputs)
+        self.guards = guards.Guards(fn, inputs, self.input_ptrs)
         self.observers: list[Any] = [self.guards]
         observe = getattr(self.forward_context, "observe_saved_tensors", None)   # extension point
         callback = observe() if observe is not None else None
@@ -144,12 +146,10 @@ class Frame:
         on_release = around_rerun = around_forward = ()
 
     def _hooks(self) -> None:
-        for point in _POINTS:
-            vars(self).pop(point, None)
-        for observer in self.observers:
-            for point in _points_of(type(observer)):
-                hooks = vars(self).setdefault(point, [])
-                hooks.append(getattr(observer, point))
+        """Bind each named point to the methods of the observers that have one."""
+        observers = self.observers
+        for point, positions in _plan(tuple(map(type, observers))):
+            setattr(self, point, [getattr(observers[i], point) for i in positions])
 
     @property
     def region(self) -> RegionId:
@@ -244,39 +244,41 @@ class Frame:
 
     def rerun(self, task: int, last_needed: int) -> None:
         """Run ``fn`` again under ``fill``, the second pack hook (steps 2 to 4)."""
-        counter = itertools.count()
+        keys = self.keys
+        count = 0                   # tensors the rerun saved so far
         rerun_input_ptrs: set[int] = set()
         stop_at_next_pack = False   # the last needed tensor is an op's buffer, filled after saving
         stopped = False             # StopRecomputation was raised (it may come out wrapped)
 
         def stop(index: int) -> None:
             nonlocal stopped
-            if index + 1 < len(self.keys):
+            if index + 1 < len(keys):
                 for hook in self.on_early_stop:
                     hook(self, index)
             stopped = True
             raise StopRecomputation
 
         def fill(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal stop_at_next_pack
+            nonlocal count, stop_at_next_pack
             if stop_at_next_pack:
                 stop(last_needed)
-            index = next(counter)
+            index = count
+            count += 1
             if not tensor.requires_grad:
                 detached = tensor
-            elif type(tensor) is torch.Tensor:   # plain detach: no dispatch mode (~15 us each)
-                with _NO_PYTHON_DISPATCH():
+            elif type(tensor) is torch.Tensor and _dispatch_modes():
+                with _NO_PYTHON_DISPATCH():   # a plain detach, not through the mode (~15 us)
                     detached = tensor.detach()
             else:
                 detached = tensor.detach()
-            if index >= len(self.keys):
+            if index >= len(keys):
                 raise CheckpointError(
                     f"checkpoint {self.region}: the recomputation saved more tensors than the "
-                    f"forward pass did (forward saved {len(self.keys)}; extra tensor #{index}: "
+                    f"forward pass did (forward saved {len(keys)}; extra tensor #{index}: "
                     f"{TensorMeta.of(tensor)}). {self.guards.mismatch_causes()}")
             if self.check_keys:
                 key = saved_key(tensor, storage_ptr(tensor), rerun_input_ptrs)
-                if key != self.keys[index]:
+                if key != keys[index]:
                     self._refuse(index, tensor, key)
             holder = self.holders[index]()
             if holder is not None:
@@ -284,20 +286,37 @@ class Frame:
             for hook in self.on_fill:
                 hook(self, task, index, tensor, detached, holder)
             if self.early_stop and index == last_needed:
-                if guards.may_be_filled_later(self.keys, index):
+                if guards.may_be_filled_later(keys, index):
                     stop_at_next_pack = True
                 else:
                     stop(index)
             return detached
 
-        replays: list[rng.replay] = []
+        inputs = [guards.rerun_input(t) if t.requires_grad else t for t in self.saved_inputs()]
+        rerun_input_ptrs.update(storage_ptrs(inputs))
+        if self.spec is None:
+            args, kwargs = inputs, {}
+        else:
+            leaves = list(self.leaves)
+            for position, tensor in zip(self.positions, inputs):
+                leaves[position] = tensor
+            args, kwargs = tree_unflatten(leaves, self.spec)
+        random = rng.replay(self.rng) if self.rng is not None else _NOTHING
+        casting = _autocast(self.autocast) if self.autocast != _autocast_state() else _NOTHING
+        watches = self.around_rerun
+        watch = watches[0](self) if len(watches) == 1 else _together([w(self) for w in watches])
         try:
-            with torch.autograd.graph.saved_tensors_hooks(fill, _identity), \
-                    _together([hook(self) for hook in self.around_rerun]) if self.around_rerun \
-                    else _NOTHING:
-                self._run_again(rerun_input_ptrs, replays)
-        except StopRecomputation:
-            pass
+            with torch.autograd.graph.saved_tensors_hooks(fill, _identity), watch:
+                _thread.recompute_depth += 1
+                try:
+                    with random, torch.enable_grad(), guards.outside_inference_mode(), casting, \
+                            self.recompute_context:
+                        try:
+                            self.fn(*args, **kwargs)
+                        except StopRecomputation:   # caught here: the contexts exit normally
+                            pass
+                finally:
+                    _thread.recompute_depth -= 1
         except RecomputeAgain:
             raise   # the holders filled so far are filled again by the next run
         except BaseException as error:
@@ -310,33 +329,15 @@ class Frame:
                 if lost is not None and not isinstance(error, CheckpointError):
                     raise CheckpointError(f"checkpoint {self.region}: {lost}") from error
                 raise
-        shared = self.rng and rng.shared_with_another_thread(self.rng, self.rng_after,
-                                                             self.rng_overlap, replays)
-        saved = next(counter)
-        if shared or saved <= last_needed:
+        shared = None
+        if self.rng is not None and (self.rng_overlap or random.use.overlapped):
+            shared = rng.shared_with_another_thread(self.rng, self.rng_after, self.rng_overlap,
+                                                    [random])
+        if shared or count <= last_needed:
             self.release(task)
             raise CheckpointError(f"checkpoint {self.region}: " + (shared or (
                 f"the recomputation saved fewer tensors than the forward pass did (forward saved "
-                f"{len(self.keys)}, recomputation {saved}). {self.guards.mismatch_causes()}")))
-
-    def _run_again(self, rerun_input_ptrs: set[int], replays: list) -> None:
-        inputs = [guards.rerun_input(t) if t.requires_grad else t for t in self.saved_inputs()]
-        rerun_input_ptrs.update(storage_ptrs(inputs))
-        leaves = list(self.leaves)
-        for position, tensor in zip(self.positions, inputs):
-            leaves[position] = tensor
-        args, kwargs = tree_unflatten(leaves, self.spec) if self.spec is not None else (leaves, {})
-        random = rng.replay(self.rng) if self.rng is not None else _NOTHING
-        casting = _autocast(self.autocast) if self.autocast != _autocast_state() else _NOTHING
-        _thread.recompute_depth += 1
-        try:
-            if self.rng is not None:
-                replays.append(random)
-            with random, torch.enable_grad(), guards.outside_inference_mode(), casting, \
-                    self.recompute_context:
-                self.fn(*args, **kwargs)
-        finally:
-            _thread.recompute_depth -= 1
+                f"{len(keys)}, recomputation {count}). {self.guards.mismatch_causes()}")))
 
     def _refuse(self, index: int, tensor: torch.Tensor, key: tuple) -> None:
         """The rerun's ``index``-th saved tensor is not the forward's: ask again, or raise."""
@@ -361,16 +362,19 @@ class Frame:
 
 _POINTS = ("on_pack", "after_forward", "before_rerun", "on_recompute", "on_fill", "on_early_stop",
            "on_unpack", "on_release", "around_rerun", "around_forward")
-_POINTS_BY_CLASS: dict[type, tuple[str, ...]] = {}
+_PLANS: dict[tuple[type, ...], tuple[tuple[str, tuple[int, ...]], ...]] = {}
 
 
-def _points_of(kind: type) -> tuple[str, ...]:
-    """The named points an observer class has a method for (looked up once per class)."""
-    points = _POINTS_BY_CLASS.get(kind)
-    if points is None:
-        points = _POINTS_BY_CLASS[kind] = tuple(
-            p for p in _POINTS if callable(getattr(kind, p, None)))
-    return points
+def _plan(kinds: tuple[type, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(point, positions of the observers that have a method for it), for observers of these
+    classes: looked up once per combination of classes."""
+    plan = _PLANS.get(kinds)
+    if plan is None:
+        plan = _PLANS[kinds] = tuple(
+            (point, positions) for point in _POINTS
+            if (positions := tuple(i for i, kind in enumerate(kinds)
+                                   if callable(getattr(kind, point, None)))))
+    return plan
 
 
 class _ReleaseUnused:
@@ -387,11 +391,12 @@ class _ReleaseUnused:
         self.frame, self.task = weakref.ref(frame), task
 
     def __call__(self) -> None:
-        frame = self.frame()
+        frame, self.frame = self.frame, None
+        frame = frame() if frame is not None else None
         if frame is not None:
             frame.release(self.task)
 
-    __del__ = __call__
+    __del__ = __call__   # a failed backward drops its callbacks unrun: release then
 
 
 class _SavedTensorsCallback:
@@ -434,13 +439,18 @@ def _identity(x):
     return x
 
 
-def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...] | None:
+    """(device, enabled, dtype) for each device; ``None`` while autocast is off everywhere."""
+    if not _any_autocast():
+        return None
     return tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
                  for device in _AUTOCAST_DEVICES)
 
 
 def _autocast(state) -> ContextManager:
     """The forward's autocast state, for a rerun that runs under another one (step 3)."""
+    if state is None:   # the forward ran without autocast: switch off what the backward runs under
+        state = [(device, False, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES]
     return _together([torch.autocast(device, dtype=dtype, enabled=enabled)
                       for device, enabled, dtype in state])
 

@@ -84,9 +84,11 @@ def _leaf_of(tensor: torch.Tensor) -> torch.Tensor | None:
 class Guards:
     """The checks of one checkpoint call beyond its keys (see the notes above); an observer."""
 
-    def __init__(self, fn: Any, inputs: list[torch.Tensor]) -> None:
+    def __init__(self, fn: Any, inputs: list[torch.Tensor],
+                 input_ptrs: set[int] | None = None) -> None:
         self.reads = OutsideReads(fn, inputs)
-        self.input_ptrs = storage_ptrs(inputs)     # saved tensors sharing these free nothing
+        # saved tensors sharing these free nothing (the core passes the set it made)
+        self.input_ptrs = storage_ptrs(inputs) if input_ptrs is None else input_ptrs
         self.transforms = transform_levels()       # forward-mode AD and torch.func levels
         self.inputs_modified_by_fn: str | None = None
         # index -> (id, storage) of a saved leaf that requires grad (a parameter or an input). The
