@@ -177,6 +177,8 @@ def generators_reachable(fn: Callable[..., Any], arguments: Iterable[Any]) -> li
     >>> generators_reachable(lambda t: t * torch.rand(2, generator=g), []) == [g]
     True
     """
+    if type(fn) is types.BuiltinFunctionType and not arguments:   # torch.sin: none
+        return []
     found: dict[int, torch.Generator] = {}
     _add_generators(arguments, found)
     _visit(fn, found, set(), 0)

@@ -111,20 +111,20 @@ class Frame:
                  early_stop: bool, contexts: tuple[ContextManager, ContextManager], debug: bool,
                  check_keys: bool) -> None:
         self.fn, self.number = fn, next(_region_numbers)
-        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+        if kwargs or any(not isinstance(a, torch.Tensor) for a in args):
             leaves, self.spec = tree_flatten((args, kwargs), is_leaf=_is_size)
             self.positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
             inputs = [leaves[i] for i in self.positions]
             self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         else:   # the common case, tensors only: the inputs are the arguments, no pytree
             inputs, self.spec, self.positions, self.leaves = list(args), None, None, ()
-        self.saved_inputs: Callable[[], list[torch.Tensor]] | None = save_inputs(inputs)
+        self.saved_inputs: list | None = save_inputs(inputs)   # each with .unpack()
         self.input_ptrs = storage_ptrs(inputs)
         self.rng = rng.capture_devices(rng.cuda_devices_of(inputs), rng.generators_reachable(
             fn, self.leaves)) if preserve_rng_state else None
         self.rng_after: rng.RNGState | None = None
         self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
-        self.autocast = _autocast_state()
+        self.autocast = _autocast_state() if _any_autocast() else None
         self.early_stop, self.check_keys = early_stop, check_keys
         self.forward_context, self.recompute_context = contexts   # context_fn was called once
         self.holders: list[weakref.ReferenceType[Holder]] = []
@@ -137,7 +137,7 @@ class Frame:
         callback = observe() if observe is not None else None
         if callback is not None:
             self.observers.append(_SavedTensorsCallback(callback))
-        if debug or trace.tracing_active():
+        if debug or trace.open_traces:
             self.observers.append(trace.Tracer(echo=debug))
         self._hooks()
 
@@ -148,8 +148,12 @@ class Frame:
     def _hooks(self) -> None:
         """Bind each named point to the methods of the observers that have one."""
         observers = self.observers
-        for point, positions in _plan(tuple(map(type, observers))):
-            setattr(self, point, [getattr(observers[i], point) for i in positions])
+        kinds = tuple(map(type, observers))
+        for point, positions in _PLANS.get(kinds) or _plan(kinds):
+            hooks = []
+            for position in positions:
+                hooks.append(getattr(observers[position], point))
+            setattr(self, point, hooks)
 
     @property
     def region(self) -> RegionId:
@@ -216,7 +220,7 @@ class Frame:
         return tensor
 
     def recompute(self, task: int, trigger: int) -> None:
-        if trace.tracing_active() and not any(isinstance(o, trace.Tracer) for o in self.observers):
+        if trace.open_traces and not any(isinstance(o, trace.Tracer) for o in self.observers):
             self.observers.append(trace.Tracer(echo=False))   # a trace opened after the forward
             self._hooks()
         for hook in self.before_rerun:
@@ -292,7 +296,10 @@ class Frame:
                     stop(index)
             return detached
 
-        inputs = [guards.rerun_input(t) if t.requires_grad else t for t in self.saved_inputs()]
+        inputs = []
+        for saved in self.saved_inputs:
+            tensor = saved.unpack()
+            inputs.append(guards.rerun_input(tensor) if tensor.requires_grad else tensor)
         rerun_input_ptrs.update(storage_ptrs(inputs))
         if self.spec is None:
             args, kwargs = inputs, {}
@@ -302,7 +309,8 @@ class Frame:
                 leaves[position] = tensor
             args, kwargs = tree_unflatten(leaves, self.spec)
         random = rng.replay(self.rng) if self.rng is not None else _NOTHING
-        casting = _autocast(self.autocast) if self.autocast != _autocast_state() else _NOTHING
+        now = _autocast_state() if _any_autocast() else None
+        casting = _autocast(self.autocast) if self.autocast != now else _NOTHING
         watches = self.around_rerun
         watch = watches[0](self) if len(watches) == 1 else _together([w(self) for w in watches])
         try:
@@ -409,15 +417,24 @@ class _SavedTensorsCallback:
         self.callback(tensor)
 
 
-def save_inputs(tensors: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
+def save_inputs(tensors: list[torch.Tensor]) -> list:
     """Hand the inputs to autograd as saved tensors (through the active pack hook: nesting);
-    return how to get them back."""
+    each of the returned objects gives its tensor back with ``.unpack()``."""
     if _make_saved_tensor is not None:
-        saved = [_make_saved_tensor(t, is_output=False) for t in tensors]
-        return lambda: [s.unpack() for s in saved]
+        return [_make_saved_tensor(t, False) for t in tensors]   # (tensor, is_output)
     anchor = torch.empty(0, requires_grad=True)   # older torch: a do-nothing Function saves them
     node = _InputSaver.apply(anchor, *tensors).grad_fn
-    return lambda: list(node.saved_tensors)
+    return [_SavedByNode(node, i) for i in range(len(tensors))]
+
+
+class _SavedByNode:
+    """One input saved by an ``_InputSaver`` node (torch without ``_make_saved_tensor``)."""
+
+    def __init__(self, node: Any, index: int) -> None:
+        self.node, self.index = node, index
+
+    def unpack(self) -> torch.Tensor:
+        return self.node.saved_tensors[self.index]
 
 
 class _InputSaver(torch.autograd.Function):
@@ -439,10 +456,9 @@ def _identity(x):
     return x
 
 
-def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...] | None:
-    """(device, enabled, dtype) for each device; ``None`` while autocast is off everywhere."""
-    if not _any_autocast():
-        return None
+def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """(device, enabled, dtype) for each device (the core keeps ``None`` while autocast is off
+    everywhere: ``_any_autocast()`` is one call)."""
     return tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
                  for device in _AUTOCAST_DEVICES)
 

@@ -122,7 +122,7 @@ class Guards:
             raise CheckpointError(f"checkpoint {frame.region}: {message}")
 
     def around_rerun(self, frame: Any) -> ContextManager:
-        return self.reads.around_rerun(frame.region)
+        return self.reads.around_rerun(frame)
 
     def on_fill(self, frame: Any, task: int, index: int, tensor: torch.Tensor,
                 detached: torch.Tensor, holder: Any) -> None:

@@ -198,7 +198,12 @@ class OutsideReads:
 
     def __init__(self, fn: Callable[..., Any], inputs: list[torch.Tensor]) -> None:
         self.fn = fn
-        self.roots = [(type(fn).__name__, fn)] if isinstance(fn, nn.Module) else _roots(fn)
+        if isinstance(fn, nn.Module):
+            self.roots = [(type(fn).__name__, fn)]
+        elif type(fn) is types.BuiltinFunctionType:   # torch.sin: nothing to look into
+            self.roots = []
+        else:
+            self.roots = _roots(fn)
         self.inputs = [(weakref.ref(t), t._version) for t in inputs]
         reached: list[torch.Tensor] = []
         modules_seen: set[int] = set()
@@ -297,14 +302,16 @@ class OutsideReads:
         if keep:
             self.read = [(tensor, version if id(tensor) in keep else tensor._version)
                          for tensor, version in self.read]
-        else:
+        elif self.read:
             self.read = [(tensor, tensor._version) for tensor, _ in self.read]
-        leaves = [ref() for ref, _ in self.saved_leaves]
-        self.saved_leaves = [(weakref.ref(leaf), leaf._version)
-                             for leaf in leaves if leaf is not None]
+        if self.saved_leaves:
+            self.saved_leaves = [(ref, leaf._version) for ref, _ in self.saved_leaves
+                                 if (leaf := ref()) is not None]
 
-    def around_rerun(self, region: str) -> "_StateWatch":
-        return _StateWatch(self, region)
+    def around_rerun(self, frame: Any) -> "_StateWatch":
+        """The watch over one rerun of ``frame`` (anything with a ``region``, read only for a
+        message)."""
+        return _StateWatch(self, frame)
 
     def owner_of(self, tensor: torch.Tensor) -> tuple[Any, str]:
         """(module or tensor, description) of the thing that owns written state ``tensor``."""
@@ -333,10 +340,10 @@ class _StaleReads(TorchDispatchMode):
     ran after this region), so a rerun without one runs with no per-op Python code. A tensor is
     matched by identity or by its storage (a view of it made before the forward)."""
 
-    def __init__(self, reads: OutsideReads, region: str,
+    def __init__(self, reads: OutsideReads, frame: Any,
                  stale: list[tuple[torch.Tensor, int]]) -> None:
         super().__init__()
-        self.reads, self.region = reads, region
+        self.reads, self.frame = reads, frame
         self.by_id = {id(tensor): (tensor, version) for tensor, version in stale}
         self.by_storage = {ptr: (tensor, version) for tensor, version in stale
                            if (ptr := storage_ptr(tensor))}
@@ -348,7 +355,7 @@ class _StaleReads(TorchDispatchMode):
                 if isinstance(arg, torch.Tensor):
                     hit = self.by_id.get(id(arg)) or self.by_storage.get(storage_ptr(arg))
                     if hit is not None:
-                        self.message = (f"checkpoint {self.region}: "
+                        self.message = (f"checkpoint {self.frame.region}: "
                                         f"{self.reads.modified_message(*hit)}")
                         raise CheckpointError(self.message)
         return func(*args, **(kwargs or {}))
@@ -358,14 +365,17 @@ class _StateWatch:
     """Around a rerun: watches reads of tensors changed since the forward; copies the forward's
     written state and warns if the rerun leaves it changed."""
 
-    def __init__(self, reads: OutsideReads, region: str) -> None:
-        self.reads, self.region = reads, region
+    __slots__ = ("reads", "frame", "before", "keep", "watch")
+
+    def __init__(self, reads: OutsideReads, frame: Any) -> None:
+        self.reads, self.frame = reads, frame
 
     def __enter__(self) -> None:
-        self.before = [t.clone() for t in self.reads.written]
+        written = self.reads.written
+        self.before = [t.clone() for t in written] if written else ()
         stale = self.reads.stale()
         self.keep = {id(tensor) for tensor, _ in stale} if stale else frozenset()
-        self.watch = _StaleReads(self.reads, self.region, stale) if stale else None
+        self.watch = _StaleReads(self.reads, self.frame, stale) if stale else None
         if self.watch is not None:
             self.watch.__enter__()
 
@@ -386,8 +396,8 @@ class _StateWatch:
                 continue
             _warned.add(owner)
             warnings.warn(
-                f"checkpoint {self.region}: the recomputation updated {description} again after "
-                "the forward pass had updated it: a checkpointed region runs twice, so its "
+                f"checkpoint {self.frame.region}: the recomputation updated {description} again "
+                "after the forward pass had updated it: a checkpointed region runs twice, so its "
                 "in-place state updates happen twice (BatchNorm's running statistics move twice "
                 "per step; torch.utils.checkpoint does the same). Fixes: checkpoint the layers "
                 "around the module instead of it, put it in eval mode, or put its state back "

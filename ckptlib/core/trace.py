@@ -10,7 +10,7 @@ so a notebook can print a training step and the reader sees when each tensor
 was dropped, when the region ran again, where early stop cut it short and
 which backward node took each recomputed tensor.
 
-Off unless asked for. The core asks :func:`tracing_active` once per call and
+Off unless asked for. The core looks at ``open_traces`` once per call and
 per rerun; only then does it add a :class:`Tracer` to its observers, which names
 ops (``OpNames``, a torch-function mode, which costs a Python call per op) and
 builds events. So the trace costs nothing in a training loop that does not
@@ -50,7 +50,7 @@ from ckptlib.core.region import RegionId
 from ckptlib.storage import storage_ptr
 
 __all__ = ["TensorMeta", "TraceEvent", "CheckpointTrace", "record_trace", "EVENT_KINDS", "RegionId",
-           "Tracer", "tracing_active"]
+           "Tracer", "tracing_active", "open_traces"]
 
 EVENT_KINDS = ("pack", "forward_done", "recompute", "early_stop", "unpack", "release")
 
@@ -158,7 +158,7 @@ class CheckpointTrace:
         return "CheckpointTrace(" + ", ".join(f"{k}={self.count(k)}" for k in kinds) + ")"
 
 
-_active_traces: list[CheckpointTrace] = []
+open_traces: list[CheckpointTrace] = []   # the record_trace blocks open now, innermost last
 
 
 def record_trace(
@@ -191,21 +191,21 @@ def record_trace(
 
 @contextlib.contextmanager
 def _recording(trace: CheckpointTrace) -> Iterator[CheckpointTrace]:
-    _active_traces.append(trace)
+    open_traces.append(trace)
     try:
         yield trace
     finally:
-        _active_traces.remove(trace)
+        open_traces.remove(trace)
 
 
 def tracing_active() -> bool:
     """Is any :func:`record_trace` block open?"""
-    return bool(_active_traces)
+    return bool(open_traces)
 
 
 def publish(event: TraceEvent, echo: bool) -> None:
     """Hand ``event`` to every open trace; print it too if ``echo`` (``checkpoint(debug=True)``)."""
-    for trace in list(_active_traces):
+    for trace in list(open_traces):
         trace.add(event)
     if echo:
         print(event)

@@ -861,7 +861,7 @@ def test_an_on_event_that_raises_ends_the_checkpointed_call_and_closes_the_trace
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(RuntimeError, match="viewer broke"), record_trace(on_event=on_event):
         checkpoint(torch.sin, x)
-    assert not saved_hooks_installed() and not ckptlib.core.trace._active_traces
+    assert not saved_hooks_installed() and not ckptlib.core.trace.open_traces
 
 
 def test_trace_tells_which_dropped_tensors_free_memory():
