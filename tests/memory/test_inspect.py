@@ -13,8 +13,8 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ckptlib import autograd_walk, checkpoint, record_trace
 from ckptlib.graph import autograd_graph
 from ckptlib.graph import walk as graph_walk
-from ckptlib import inspect as inspect_module
 from ckptlib.inspect import SavedTensorsReport, record_saved, saved_tensors_report
+from ckptlib.inspect import recording, walking
 from ckptlib.memory import MemoryMeter
 from ckptlib.models import MLPChain, TinyTransformer
 
@@ -238,8 +238,9 @@ def test_walking_a_checkpointed_graph_reports_dropped_without_recomputing():
 def test_the_report_and_the_graph_read_the_same_saved_tensors(make, mode):
     # One walker (ckptlib.autograd_walk) behind both: the same nodes in the same order, the same
     # saved tensors with the same bytes and states, and the same kept total.
-    assert inspect_module.read_saved is graph_walk.read_saved is autograd_walk.read_saved
-    assert inspect_module.walk is graph_walk.walk is autograd_walk.walk
+    for inspect_module in (recording, walking):
+        assert inspect_module.read_saved is graph_walk.read_saved is autograd_walk.read_saved
+        assert inspect_module.walk is graph_walk.walk is autograd_walk.walk
     model = make()
     model.checkpointing = mode
     loss = model.loss(model.example_batch(batch=2))

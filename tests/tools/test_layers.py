@@ -126,7 +126,15 @@ def test_no_private_names_borrowed_across_modules():
 
 @pytest.mark.parametrize(
     "package",
-    ["ckptlib.core", "ckptlib.graph", "ckptlib.selective", "ckptlib.schedules", "ckptlib.widgets"],
+    [
+        "ckptlib.core",
+        "ckptlib.graph",
+        "ckptlib.inspect",
+        "ckptlib.memory",
+        "ckptlib.selective",
+        "ckptlib.schedules",
+        "ckptlib.widgets",
+    ],
 )
 def test_packages_have_a_reading_order(package):
     """Each package's ``__init__`` docstring names its modules (where to start reading)."""
