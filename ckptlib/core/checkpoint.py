@@ -316,14 +316,16 @@ class Frame:
         try:
             with torch.autograd.graph.saved_tensors_hooks(fill, _identity), watch:
                 _thread.recompute_depth += 1
+                grad_was = torch.is_grad_enabled()   # off in backward: the rerun records a graph
+                torch._C._set_grad_enabled(True)
                 try:
-                    with random, torch.enable_grad(), guards.outside_inference_mode(), casting, \
-                            self.recompute_context:
+                    with random, guards.outside_inference_mode(), casting, self.recompute_context:
                         try:
                             self.fn(*args, **kwargs)
                         except StopRecomputation:   # caught here: the contexts exit normally
                             pass
                 finally:
+                    torch._C._set_grad_enabled(grad_was)
                     _thread.recompute_depth -= 1
         except RecomputeAgain:
             raise   # the holders filled so far are filled again by the next run
