@@ -14,17 +14,19 @@ Variants, all in one run, interleaved (each round runs every variant once, in a 
 * ``plain``: no checkpoint; ``torch.utils.checkpoint``: ``use_reentrant=False``;
 * ``floor``: the bare hook-based checkpoint of this file (pack a handle; the first unpack reruns
   the function once under a second hook that fills the handles): no RNG, no checks;
-* ``ckptlib, hooks only``: ``ckptlib.checkpoint`` with ``preserve_rng_state=False``,
-  ``determinism_check="none"`` and its guards observer replaced by one that does nothing (in
-  this script only);
+* ``ckptlib, no early stop``: ``ckptlib.checkpoint`` with ``preserve_rng_state=False``,
+  ``determinism_check="none"``, ``early_stop=False`` and its guards observer replaced by one
+  that does nothing (in this script only); ``ckptlib, hooks only``: the same with early stop
+  (the rerun stops at its last needed tensor by raising an exception from the pack hook, which
+  unwinds through the op's C++ code: torch's checkpoint stops the same way);
 * ``+ RNG``: the same with the RNG captured and replayed; ``+ keys``: and each saved tensor's
   key compared; ``ckptlib``: as shipped, every guard on.
 
 The cost of a variant is its step time minus the plain step's, so the work of the region itself
 cancels out; the breakdown subtracts neighbouring variants: Python (the frame, holders,
-contexts: ``ckptlib, hooks only`` minus ``floor``), RNG, keys, guards. Timing: one torch
-thread, this process's CPU time, the median over rounds with quartiles. On a shared machine a
-difference inside the quartiles is noise.
+contexts: ``ckptlib, no early stop`` minus ``floor``), early stop, RNG, keys, guards. Timing:
+one torch thread, this process's CPU time, the median over rounds with quartiles. On a shared
+machine a difference inside the quartiles is noise.
 """
 
 from __future__ import annotations
@@ -108,12 +110,14 @@ def _guards_off() -> Iterator[None]:
 
 
 def _ckptlib(
-    rng: bool, keys: bool, guarded: bool
+    rng: bool, keys: bool, guarded: bool, early_stop: bool = True
 ) -> Callable[[], contextlib.AbstractContextManager]:
     check = "default" if keys else "none"
 
     def run(fn, x):
-        return ckptlib.checkpoint(fn, x, preserve_rng_state=rng, determinism_check=check)
+        return ckptlib.checkpoint(
+            fn, x, preserve_rng_state=rng, determinism_check=check, early_stop=early_stop
+        )
 
     return lambda: contextlib.nullcontext(run) if guarded else _with(_guards_off(), run)
 
@@ -130,6 +134,7 @@ VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
         lambda fn, x: torch_checkpoint(fn, x, use_reentrant=False)
     ),
     "floor": lambda: contextlib.nullcontext(floor_checkpoint),
+    "ckptlib, no early stop": _ckptlib(rng=False, keys=False, guarded=False, early_stop=False),
     "ckptlib, hooks only": _ckptlib(rng=False, keys=False, guarded=False),
     "+ RNG": _ckptlib(rng=True, keys=False, guarded=False),
     "+ keys": _ckptlib(rng=True, keys=True, guarded=False),
@@ -137,7 +142,8 @@ VARIANTS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 }
 PARTS = {  # breakdown row -> (variant, the variant it is measured against)
     "floor (hooks, one rerun)": ("floor", "plain"),
-    "Python: frame, holders, contexts": ("ckptlib, hooks only", "floor"),
+    "Python: frame, holders, contexts": ("ckptlib, no early stop", "floor"),
+    "early stop (an exception through the op)": ("ckptlib, hooks only", "ckptlib, no early stop"),
     "RNG capture and replay": ("+ RNG", "ckptlib, hooks only"),
     "keys compared at every pack": ("+ keys", "+ RNG"),
     "guards (versions, parameters, in-place)": ("ckptlib", "+ keys"),
@@ -252,6 +258,7 @@ def markdown(result: dict) -> str:
     columns = [
         "torch.utils.checkpoint",
         "floor",
+        "ckptlib, no early stop",
         "ckptlib, hooks only",
         "+ RNG",
         "+ keys",

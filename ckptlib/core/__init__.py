@@ -2,6 +2,8 @@
 
 - ``checkpoint.py``: Holder, Frame (pack, unpack, recompute, rerun with ``fill``, release) and
   ``checkpoint()``, in the names and order of notebook 03; it calls its observers at named points;
+- ``inputs.py`` and ``autocast.py``: how the frame keeps its arguments for the rerun, and the
+  forward's autocast state it reruns under;
 - ``guards.py``: the observer that refuses a rerun which would differ from its forward, with
   ``keys.py`` (what each saved tensor is) and ``reads.py`` (what the region reads from outside);
 - ``trace.py``: the observer that records what happened, as typed events;

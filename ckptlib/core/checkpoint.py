@@ -22,7 +22,7 @@ This file reads in the order of notebook 03:
 
 Holders keep recomputed tensors per backward pass (*graph task*), so ``retain_graph=True``
 then a second backward recomputes once more. The inputs are kept as autograd saved tensors
-(``save_inputs``): inside an outer checkpoint they pass through its pack hook and are dropped
+(``inputs.py``): inside an outer checkpoint they pass through its pack hook and are dropped
 too (nesting, also with ``torch.utils.checkpoint`` on either side).
 
 Observers. At named points the frame calls its observers' methods: ``on_pack``,
@@ -49,11 +49,11 @@ import weakref
 from typing import Any, Callable, ContextManager
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckptlib import rng
 from ckptlib._arguments import check_checkpoint_arguments, checkpoint_contexts, torch_early_stop
-from ckptlib.core import compile as compile_, guards, peek, trace
+from ckptlib.core import autocast, guards, inputs, peek, trace
+from ckptlib.core import compile as compile_
 from ckptlib.core.errors import CheckpointError, RecomputeAgain, caller_stacklevel
 from ckptlib.core.keys import TensorMeta, key_mismatch, saved_key
 from ckptlib.core.region import RegionId, function_name
@@ -66,9 +66,6 @@ _region_numbers = itertools.count()
 _outside_backward_tasks = itertools.count(start=1)
 _NOTHING = contextlib.nullcontext()       # stateless: one for every call
 _NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
-_make_saved_tensor = getattr(torch._C._autograd, "_make_saved_tensor", None)   # None on older torch
-_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
 _dispatch_modes = torch._C._len_torch_dispatch_stack   # Python dispatch modes now active
 _NO_CONTEXTS = (_NOTHING, _NOTHING)   # no context_fn: stateless, shared
 _DETERMINISM_CHECKS = ("default", "none")
@@ -112,26 +109,24 @@ class Frame:
                  check_keys: bool) -> None:
         self.fn, self.number = fn, next(_region_numbers)
         if kwargs or any(not isinstance(a, torch.Tensor) for a in args):
-            leaves, self.spec = tree_flatten((args, kwargs), is_leaf=_is_size)
-            self.positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-            inputs = [leaves[i] for i in self.positions]
-            self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+            self.arguments: inputs.Arguments | None = inputs.Arguments(args, kwargs)
+            tensors = self.arguments.tensors
         else:   # the common case, tensors only: the inputs are the arguments, no pytree
-            inputs, self.spec, self.positions, self.leaves = list(args), None, None, ()
-        self.saved_inputs: list | None = save_inputs(inputs)   # each with .unpack()
-        self.input_ptrs = storage_ptrs(inputs)
-        self.rng = rng.capture_devices(rng.cuda_devices_of(inputs), rng.generators_reachable(
-            fn, self.leaves)) if preserve_rng_state else None
+            self.arguments, tensors = None, list(args)
+        self.saved_inputs: list | None = inputs.save_inputs(tensors)   # each with .unpack()
+        self.input_ptrs = storage_ptrs(tensors)
+        self.rng = rng.capture_devices(rng.cuda_devices_of(tensors), rng.generators_reachable(
+            fn, self.arguments.leaves if self.arguments else ())) if preserve_rng_state else None
         self.rng_after: rng.RNGState | None = None
         self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
-        self.autocast = _autocast_state() if _any_autocast() else None
+        self.autocast = autocast.state() if autocast.any_enabled() else None
         self.early_stop, self.check_keys = early_stop, check_keys
         self.forward_context, self.recompute_context = contexts   # context_fn was called once
         self.holders: list[weakref.ReferenceType[Holder]] = []
         self.keys: list[tuple] = []   # the key of each saved tensor, in pack order
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
-        self.guards = guards.Guards(fn, inputs, self.input_ptrs)
+        self.guards = guards.Guards(fn, tensors, self.input_ptrs)
         self.observers: list[Any] = [self.guards]
         observe = getattr(self.forward_context, "observe_saved_tensors", None)   # extension point
         callback = observe() if observe is not None else None
@@ -296,21 +291,16 @@ class Frame:
                     stop(index)
             return detached
 
-        inputs = []
+        tensors = []
         for saved in self.saved_inputs:
             tensor = saved.unpack()
-            inputs.append(guards.rerun_input(tensor) if tensor.requires_grad else tensor)
-        rerun_input_ptrs.update(storage_ptrs(inputs))
-        if self.spec is None:
-            args, kwargs = inputs, {}
-        else:
-            leaves = list(self.leaves)
-            for position, tensor in zip(self.positions, inputs):
-                leaves[position] = tensor
-            args, kwargs = tree_unflatten(leaves, self.spec)
+            tensors.append(guards.rerun_input(tensor) if tensor.requires_grad else tensor)
+        rerun_input_ptrs.update(storage_ptrs(tensors))
+        args, kwargs = self.arguments.rebuild(tensors) if self.arguments else (tensors, {})
         random = rng.replay(self.rng) if self.rng is not None else _NOTHING
-        now = _autocast_state() if _any_autocast() else None
-        casting = _autocast(self.autocast) if self.autocast != now else _NOTHING
+        now = autocast.state() if autocast.any_enabled() else None
+        casting = _together(autocast.contexts(self.autocast)) if self.autocast != now \
+            else _NOTHING
         watches = self.around_rerun
         watch = watches[0](self) if len(watches) == 1 else _together([w(self) for w in watches])
         try:
@@ -419,58 +409,8 @@ class _SavedTensorsCallback:
         self.callback(tensor)
 
 
-def save_inputs(tensors: list[torch.Tensor]) -> list:
-    """Hand the inputs to autograd as saved tensors (through the active pack hook: nesting);
-    each of the returned objects gives its tensor back with ``.unpack()``."""
-    if _make_saved_tensor is not None:
-        return [_make_saved_tensor(t, False) for t in tensors]   # (tensor, is_output)
-    anchor = torch.empty(0, requires_grad=True)   # older torch: a do-nothing Function saves them
-    node = _InputSaver.apply(anchor, *tensors).grad_fn
-    return [_SavedByNode(node, i) for i in range(len(tensors))]
-
-
-class _SavedByNode:
-    """One input saved by an ``_InputSaver`` node (torch without ``_make_saved_tensor``)."""
-
-    def __init__(self, node: Any, index: int) -> None:
-        self.node, self.index = node, index
-
-    def unpack(self) -> torch.Tensor:
-        return self.node.saved_tensors[self.index]
-
-
-class _InputSaver(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, anchor, *tensors):
-        ctx.save_for_backward(*tensors)
-        return anchor.new_empty(0)
-
-    @staticmethod
-    def backward(ctx, grad):  # pragma: no cover - its output is never used
-        return (None,) * (1 + len(ctx.saved_tensors))
-
-
-def _is_size(value: Any) -> bool:
-    return isinstance(value, torch.Size)   # a pytree node that unflattens to a tuple: keep it whole
-
-
 def _identity(x):
     return x
-
-
-def _autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
-    """(device, enabled, dtype) for each device (the core keeps ``None`` while autocast is off
-    everywhere: ``_any_autocast()`` is one call)."""
-    return tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-                 for device in _AUTOCAST_DEVICES)
-
-
-def _autocast(state) -> ContextManager:
-    """The forward's autocast state, for a rerun that runs under another one (step 3)."""
-    if state is None:   # the forward ran without autocast: switch off what the backward runs under
-        state = [(device, False, torch.get_autocast_dtype(device)) for device in _AUTOCAST_DEVICES]
-    return _together([torch.autocast(device, dtype=dtype, enabled=enabled)
-                      for device, enabled, dtype in state])
 
 
 def _together(contexts: list[ContextManager]) -> ContextManager:

@@ -732,7 +732,7 @@ def test_unpack_outside_backward_recomputes_for_that_read_only():
 
 
 def test_fallback_input_saver_for_older_torch(monkeypatch):
-    monkeypatch.setattr(sys.modules["ckptlib.core.checkpoint"], "_make_saved_tensor", None)
+    monkeypatch.setattr(sys.modules["ckptlib.core.inputs"], "_make_saved_tensor", None)
     torch.manual_seed(0)
     model = mlp()
     x = torch.randn(4, 8, requires_grad=True)
