@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import ckptlib
 from ckptlib import CheckpointError, checkpoint, record_trace
 from ckptlib import RecomputeAgain, is_recomputing, peek_saved
+from tests._grads import assert_bitwise_equal
 
 
 # ---------------------------------------------------------------------------
@@ -68,14 +69,10 @@ def grads_of(run, tensors, seed: int = 0):
 
 
 def assert_bitwise(a, b) -> None:
-    out_a, grads_a = a
-    out_b, grads_b = b
-    # rtol=atol=0: bitwise equal values; equal_nan, since a random op chain may overflow
-    torch.testing.assert_close(out_a, out_b, rtol=0, atol=0, equal_nan=True)
-    for i, (ga, gb) in enumerate(zip(grads_a, grads_b)):
-        torch.testing.assert_close(
-            ga, gb, rtol=0, atol=0, equal_nan=True, msg=f"gradient {i} differs"
-        )
+    """Two ``grads_of`` results, output then gradients, equal to the bit; NaN equal to NaN, since
+    a random op chain may overflow."""
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    assert_bitwise_equal([out_a, *grads_a], [out_b, *grads_b], equal_nan=True)
 
 
 def three_ways(fn, inputs, params=()):

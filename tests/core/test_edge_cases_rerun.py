@@ -24,6 +24,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from ckptlib import checkpoint, record_trace
 from ckptlib import CheckpointError, NotReplayedRandomWarning
 from ckptlib.selective import selective_checkpoint
+from tests._grads import bitwise_equal
 from tests._misuse import assert_nothing_installed
 
 TORCH_2_13 = torch.__version__.startswith("2.13")
@@ -45,15 +46,11 @@ def outcome(run, ckpt):
         return "error", error
 
 
-def bitwise(first, second) -> bool:
-    return len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second))
-
-
 def torch_is_wrong(run, expected) -> None:
     """torch.utils.checkpoint returns other gradients than plain autograd, without an error."""
     if TORCH_2_13:
         kind, grads = outcome(run, torch_ckpt)
-        assert kind == "ok" and not bitwise(grads, expected), (
+        assert kind == "ok" and not bitwise_equal(grads, expected), (
             "torch.utils.checkpoint is right here now"
         )
 
@@ -136,7 +133,7 @@ def test_in_place_change_of_a_tensor_nobody_saved_is_fine():
         ckpt(fn, a).sum().backward()
         return (a.grad,)
 
-    assert bitwise(run(checkpoint), run(plain))
+    assert bitwise_equal(run(checkpoint), run(plain))
 
 
 # ---------------------------------------------------------------------------
@@ -156,8 +153,8 @@ def test_rrelu_in_train_mode_under_early_stop_is_bitwise(fn):
         return (a.grad,)
 
     expected = run(plain)
-    assert bitwise(run(checkpoint), expected)
-    assert bitwise(run(functools.partial(checkpoint, early_stop=False)), expected)
+    assert bitwise_equal(run(checkpoint), expected)
+    assert bitwise_equal(run(functools.partial(checkpoint, early_stop=False)), expected)
 
 
 def test_rrelu_last_op_torch_is_wrong():
@@ -168,7 +165,7 @@ def test_rrelu_last_op_torch_is_wrong():
         return (a.grad,)
 
     expected = run(plain)
-    assert bitwise(run(checkpoint), expected)
+    assert bitwise_equal(run(checkpoint), expected)
     torch_is_wrong(run, expected)     # early stop hands back rrelu's unfilled noise buffer
 
 
@@ -188,7 +185,7 @@ def test_hook_registered_by_fn_on_its_input_fires_once():
         return (a.grad,)
 
     expected = run(plain)
-    assert bitwise(run(checkpoint), expected)
+    assert bitwise_equal(run(checkpoint), expected)
     torch_is_wrong(run, expected)     # the rerun registers the hook again on the forward's node
 
 
@@ -250,7 +247,7 @@ def test_a_callers_generator_is_replayed(make):
         return a.grad, torch.rand(2, generator=generator)    # the caller's stream moved as in plain
 
     expected = run(plain)
-    assert bitwise(run(checkpoint), expected)
+    assert bitwise_equal(run(checkpoint), expected)
     torch_is_wrong(run, expected)
 
 
@@ -266,7 +263,7 @@ def test_a_generator_on_a_plain_object_is_not_seen():
         ckpt(lambda t: (t * torch.rand(4, generator=holder.generator)).sin(), a).sum().backward()
         return (a.grad,)
 
-    assert not bitwise(run(checkpoint), run(plain))
+    assert not bitwise_equal(run(checkpoint), run(plain))
 
 
 # ---------------------------------------------------------------------------
@@ -290,8 +287,8 @@ def test_torchs_keywords_are_taken_not_passed_to_fn():
         return (a.grad,)
 
     expected = run_plain(None)
-    assert bitwise(run(checkpoint), expected)
-    assert bitwise(run(torch_ckpt), expected)
+    assert bitwise_equal(run(checkpoint), expected)
+    assert bitwise_equal(run(torch_ckpt), expected)
 
 
 def test_determinism_check_none_compares_no_saved_tensor():
@@ -384,7 +381,7 @@ def test_parameters_passed_through_functional_call_inside_fn_are_fine():
         params["weight"].grad = None
         return grads
 
-    assert bitwise(run(checkpoint), run(plain))
+    assert bitwise_equal(run(checkpoint), run(plain))
 
 
 def test_weight_data_written_in_forward_is_not_seen():
@@ -402,7 +399,7 @@ def test_weight_data_written_in_forward_is_not_seen():
         return (a.grad,)
 
     expected = run(plain)
-    assert not bitwise(run(checkpoint), expected)
+    assert not bitwise_equal(run(checkpoint), expected)
     torch_is_wrong(run, expected)
 
 
@@ -418,7 +415,7 @@ def test_a_number_attribute_changed_before_backward_is_not_seen():
         return (a.grad,)
 
     expected = run(plain)
-    assert not bitwise(run(checkpoint), expected)
+    assert not bitwise_equal(run(checkpoint), expected)
     torch_is_wrong(run, expected)
 
 
@@ -491,7 +488,7 @@ def test_fn_that_changes_its_own_input_is_told_so():
         u.mul_(2)
         return u.sin()
 
-    assert bitwise(run(lambda f, t: checkpoint(fixed, t)), run(plain))
+    assert bitwise_equal(run(lambda f, t: checkpoint(fixed, t)), run(plain))
 
 
 @pytest.mark.filterwarnings(
@@ -515,7 +512,8 @@ def test_dual_level_exited_before_backward_is_named():
         run(checkpoint)
     assert_nothing_installed()
     torch_fails(run, "A different number of tensors was saved")
-    assert bitwise(run(checkpoint, backward_inside=True), run(plain))   # the fix the message gives
+    # the fix the message gives
+    assert bitwise_equal(run(checkpoint, backward_inside=True), run(plain))
 
 
 def test_backward_under_inference_mode_works():
@@ -526,7 +524,7 @@ def test_backward_under_inference_mode_works():
             loss.backward()
         return (a.grad,)
 
-    assert bitwise(run(checkpoint), run(plain))
+    assert bitwise_equal(run(checkpoint), run(plain))
     torch_fails(run, "A different number of tensors was saved")
 
 
@@ -554,7 +552,7 @@ def test_vmap_over_a_checkpoint_with_backward_outside_is_named():
         ckpt(torch.func.vmap(lambda row: (row @ weight).sin()), batch).sum().backward()
         return (weight.grad,)
 
-    assert bitwise(around(checkpoint), expected)
+    assert bitwise_equal(around(checkpoint), expected)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning:torch.jit._script")
@@ -575,9 +573,9 @@ def test_torchscript_module_inside_a_checkpoint_keeps_early_stop():
         run(plain)
     expected = run(plain)
     with record_trace() as trace:
-        assert bitwise(run(checkpoint), expected)
+        assert bitwise_equal(run(checkpoint), expected)
     assert trace.count("recompute") == 1
-    assert bitwise(run(functools.partial(checkpoint, early_stop=False)), expected)
+    assert bitwise_equal(run(functools.partial(checkpoint, early_stop=False)), expected)
     torch_fails(run, "The following operation failed in the TorchScript interpreter")
 
 
@@ -634,7 +632,7 @@ def test_torchs_checkpoint_policy_answers_mean_what_they_say():
         return (a.grad,)
 
     for answer in (policy.MUST_SAVE, policy.PREFER_RECOMPUTE, np.bool_(True)):
-        assert bitwise(run(answer), run_plain())
+        assert bitwise_equal(run(answer), run_plain())
 
 
 # ---------------------------------------------------------------------------
@@ -656,7 +654,7 @@ def test_python_random_in_a_checkpoint_warns_once_per_function():
     with pytest.warns(
         NotReplayedRandomWarning, match=r"drew random numbers from Python's `random` .* torch.rand"
     ):
-        assert not bitwise(run(checkpoint), expected)      # the rerun drew another number
+        assert not bitwise_equal(run(checkpoint), expected)      # the rerun drew another number
     with warnings.catch_warnings():
         warnings.simplefilter("error", NotReplayedRandomWarning)
         run(checkpoint)                                     # checked on the first call only

@@ -11,6 +11,7 @@ import ckptlib.offload as offload
 from ckptlib import checkpoint
 from ckptlib.models import TransformerBlock
 from ckptlib.offload import offload_saved_tensors
+from tests._grads import assert_bitwise_equal, take_grads
 
 
 def make_block(device: str = "cpu") -> TransformerBlock:
@@ -27,16 +28,7 @@ def gradients(block: nn.Module, x: torch.Tensor, context=None, wrap=None) -> lis
         with context:
             out = run(block, run(block, h))
     out.pow(2).sum().backward()
-    result = [x.grad.clone(), *(p.grad.clone() for p in block.parameters())]
-    x.grad = None
-    block.zero_grad(set_to_none=True)
-    return result
-
-
-def assert_bitwise_equal(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
-        assert torch.equal(a, e)
+    return take_grads(x, block)
 
 
 @pytest.fixture
@@ -136,10 +128,7 @@ def test_cuda_offload_to_pinned_memory(monkeypatch):
             out = mlp(mlp(x))
         held = torch.cuda.memory_allocated() - before
         out.pow(2).sum().backward()
-        result = [x.grad.clone(), *(p.grad.clone() for p in mlp.parameters())]
-        x.grad = None
-        mlp.zero_grad(set_to_none=True)
-        return result, held
+        return take_grads(x, mlp), held
 
     expected, held_plain = grads_and_memory(
         torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)

@@ -26,16 +26,7 @@ from ckptlib import CheckpointError, checkpoint
 from ckptlib import StateUpdatedTwiceWarning, is_recomputing
 from ckptlib.policies import SelectivePlans, save_matmuls, selective_checkpoint
 from ckptlib.sequential import checkpoint_sequential
-
-
-def gradients(run, tensors):
-    return torch.autograd.grad(run().sum(), tensors)
-
-
-def assert_bitwise(actual, expected):
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
-        torch.testing.assert_close(a, e, rtol=0, atol=0)
+from tests._grads import assert_bitwise_equal, gradients
 
 
 def torch_nonreentrant(fn, *args, **kwargs):
@@ -68,7 +59,9 @@ def test_compiled_program_with_a_checkpoint_gives_plain_gradients(backend, quiet
         return (u @ w).exp().sin().tanh()
 
     compiled = torch.compile(lambda t: checkpoint(region, t * 2), backend=backend)
-    assert_bitwise(gradients(lambda: compiled(x), (x, w)), gradients(lambda: region(x * 2), (x, w)))
+    assert_bitwise_equal(
+        gradients(lambda: compiled(x), (x, w)), gradients(lambda: region(x * 2), (x, w))
+    )
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -77,7 +70,7 @@ def test_checkpoint_as_the_whole_compiled_program_is_bitwise(backend, quiet_dyna
     x = torch.randn(4, 4, requires_grad=True)
     region = lambda u: u.exp().sin().tanh()  # noqa: E731
     compiled = torch.compile(lambda t: checkpoint(region, t), backend=backend)
-    assert_bitwise(gradients(lambda: compiled(x), (x,)), gradients(lambda: region(x), (x,)))
+    assert_bitwise_equal(gradients(lambda: compiled(x), (x,)), gradients(lambda: region(x), (x,)))
 
 
 def test_fullgraph_compile_is_a_clear_error(quiet_dynamo):
@@ -96,7 +89,9 @@ def test_if_dynamo_traces_into_checkpoint_it_still_runs_eagerly(monkeypatch, qui
     x = torch.randn(4, 4, requires_grad=True)
     region = lambda u: u.exp().sin().tanh()  # noqa: E731
     compiled = torch.compile(lambda t: checkpoint(region, t * 2), backend="aot_eager")
-    assert_bitwise(gradients(lambda: compiled(x), (x,)), gradients(lambda: region(x * 2), (x,)))
+    assert_bitwise_equal(
+        gradients(lambda: compiled(x), (x,)), gradients(lambda: region(x * 2), (x,))
+    )
     assert checkpoint in module._disabled                  # the hand-over happened
 
 
@@ -155,7 +150,7 @@ def test_compiled_selective_nested_and_sequential_checkpoints(wrap, quiet_dynamo
         else torch.compile(programs[wrap], backend="aot_eager")
     )
     for _ in range(2):      # the second call runs what the first compiled (and reuses the plan)
-        assert_bitwise(gradients(lambda: program(x), tensors), expected)
+        assert_bitwise_equal(gradients(lambda: program(x), tensors), expected)
 
 
 # ---------------------------------------------------------------------------
@@ -200,7 +195,7 @@ def test_views_made_by_another_dispatch_path_are_not_a_mismatch():
     x = torch.randn(4, 6, requires_grad=True)
     region = lambda t: (t * 2).reshape(6, 4).t().sin()  # noqa: E731
     out = checkpoint(region, x, context_fn=lambda: (contextlib.nullcontext(), Passthrough()))
-    assert_bitwise(torch.autograd.grad(out.sum(), x), gradients(lambda: region(x), (x,)))
+    assert_bitwise_equal(torch.autograd.grad(out.sum(), x), gradients(lambda: region(x), (x,)))
 
 
 # ---------------------------------------------------------------------------
@@ -353,7 +348,7 @@ def test_state_the_region_writes_itself_is_not_an_error():
         model, x, context_fn=lambda: (contextlib.nullcontext(), BuffersRestored(model))
     )
     first = torch.autograd.grad(out.sum(), x, retain_graph=True)
-    assert_bitwise(torch.autograd.grad(out.sum(), x), first)      # a second backward: no error
+    assert_bitwise_equal(torch.autograd.grad(out.sum(), x), first)  # a second backward: no error
 
 
 def test_plain_autograds_inplace_check_still_applies_outside_checkpoints():
@@ -428,7 +423,7 @@ def test_every_leaf_comes_back_with_its_exact_type():
     expected = gradients(lambda: call(lambda f, *a, **k: f(*a, **k)), (x, y))
     for wrap in (checkpoint, torch_nonreentrant):
         seen.clear()
-        assert_bitwise(gradients(lambda: call(wrap), (x, y)), expected)
+        assert_bitwise_equal(gradients(lambda: call(wrap), (x, y)), expected)
         assert len(seen) == 2 and seen[0] == seen[1]  # forward and rerun saw the same types
     assert seen[0][:6] == (
         torch.Size,
@@ -454,8 +449,8 @@ def test_sparse_tensors_as_input_and_saved_inside():
         return grad_sparse.to_dense(), grad_w
 
     expected = run(lambda f, *a: f(*a))
-    assert_bitwise(run(checkpoint), expected)
-    assert_bitwise(run(torch_nonreentrant), expected)
+    assert_bitwise_equal(run(checkpoint), expected)
+    assert_bitwise_equal(run(torch_nonreentrant), expected)
 
 
 def test_a_sparse_tensor_made_and_saved_inside_the_region():
@@ -464,8 +459,8 @@ def test_a_sparse_tensor_made_and_saved_inside_the_region():
     w = torch.randn(5, 3, requires_grad=True)
     region = lambda m, b: torch.sparse.mm(m.relu().to_sparse(), b).sin()   # noqa: E731  saves a sparse non-leaf
     expected = gradients(lambda: region(a, w), (a, w))
-    assert_bitwise(gradients(lambda: checkpoint(region, a, w), (a, w)), expected)
-    assert_bitwise(gradients(lambda: torch_nonreentrant(region, a, w), (a, w)), expected)
+    assert_bitwise_equal(gradients(lambda: checkpoint(region, a, w), (a, w)), expected)
+    assert_bitwise_equal(gradients(lambda: torch_nonreentrant(region, a, w), (a, w)), expected)
 
 
 # ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import ckptlib
 from ckptlib import CheckpointError, apply_checkpointing, remove_checkpointing, record_trace
+from tests._grads import assert_same_step
 from tests._misuse import assert_nothing_installed
 
 
@@ -63,13 +64,6 @@ def step(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def assert_bitwise(expected, got) -> None:
-    assert torch.equal(expected[0], got[0])
-    assert expected[1].keys() == got[1].keys()
-    for name in expected[1]:
-        assert torch.equal(expected[1][name], got[1][name]), f"gradient of {name} differs"
-
-
 @pytest.mark.parametrize(
     "how",
     ["full", "offload", ckptlib.save_matmuls, ckptlib.megatron_attention],
@@ -86,7 +80,7 @@ def test_every_way_gives_plain_autograds_loss_and_gradients_bitwise(how):
             "layers.3",
         ]  # not the 2-long head
         with record_trace() as trace:
-            assert_bitwise(plain, step(model))
+            assert_same_step(plain, step(model))
     assert trace.count("recompute") == (0 if how == "offload" else 4)
     assert_nothing_installed()
 
@@ -100,7 +94,7 @@ def test_checkpointed_layers_are_rerun_and_their_keyword_arguments_reach_the_rer
     with apply_checkpointing(model, "layers.*", every_n=2) as handle:
         assert handle.paths == ["layers.0", "layers.2"]
         calls.clear()
-        assert_bitwise(plain, step(model))
+        assert_same_step(plain, step(model))
     assert len(calls) == 4 + 2     # each layer once in forward, layers 0 and 2 again in backward
 
 
@@ -251,7 +245,7 @@ def test_the_plan_predicts_exactly_what_autograd_keeps_and_fits_its_budget():
         with apply_checkpointing(model, plan) as handle:
             assert handle.paths == list(plan.checkpointed)
             assert plan.kept_bytes == kept_after_forward(model, *inputs)
-            assert_bitwise(step(Net(depth=6)), step(model))
+            assert_same_step(step(Net(depth=6)), step(model))
 
 
 def test_the_same_plan_on_every_run_and_a_table_that_shows_it():

@@ -13,45 +13,31 @@ import torch
 
 import ckptlib
 from ckptlib import CheckpointError, apply_checkpointing, record_trace, remove_checkpointing
+from tests._grads import assert_same_step, seeded_step
 from tests._misuse import assert_nothing_installed
+from tests._models import hf_gpt2, hf_llama, hf_transformers
 from tests.models.test_apply import kept_after_forward
 
-transformers = pytest.importorskip("transformers", reason="the hf extra: pip install -e '.[hf]'")
-# config notes about random-weight models, not ours to test
-transformers.logging.set_verbosity_error()
+hf_transformers()  # the whole file is skipped without the hf extra
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "huggingface.md"
 VOCAB = 128
 
 
 def gpt2() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        n_layer=4,
-        n_embd=64,
-        n_head=4,
-        n_positions=64,
-        vocab_size=VOCAB,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return transformers.GPT2LMHeadModel(config).train()
+    return hf_gpt2(
+        n_layer=4, n_positions=64, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0
+    ).train()
 
 
 def llama() -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    return hf_llama(
         num_hidden_layers=4,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         vocab_size=VOCAB,
         max_position_embeddings=64,
         bos_token_id=0,
         eos_token_id=0,
-    )
-    return transformers.LlamaForCausalLM(config).train()
+    ).train()
 
 
 MODELS = {"gpt2": (gpt2, "transformer.h"), "llama": (llama, "model.layers")}
@@ -63,26 +49,16 @@ PADDED[1, :5] = 0
 
 def step(model, attention_mask=PADDED, **kwargs):
     """One training step with the same dropout masks every time (GPT-2's dropout is on)."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    loss = model(
-        input_ids=INPUT_IDS,
-        attention_mask=attention_mask,
-        labels=INPUT_IDS,
-        use_cache=False,
-        **kwargs,
-    ).loss
-    loss.backward()
-    return loss.detach(), {
-        name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None
-    }
-
-
-def assert_bitwise(expected, got) -> None:
-    assert torch.equal(expected[0], got[0]), f"loss {got[0]} != {expected[0]}"
-    assert expected[1].keys() == got[1].keys()
-    differ = [name for name in expected[1] if not torch.equal(expected[1][name], got[1][name])]
-    assert not differ, f"gradients differ: {differ[:3]}"
+    return seeded_step(
+        model,
+        lambda: model(
+            input_ids=INPUT_IDS,
+            attention_mask=attention_mask,
+            labels=INPUT_IDS,
+            use_cache=False,
+            **kwargs,
+        ).loss,
+    )
 
 
 @pytest.fixture(params=list(MODELS))
@@ -104,10 +80,10 @@ def test_apply_checkpointing_is_bitwise_plain_autograd_and_hfs_switch_with_paddi
         assert handle.paths == [f"{layers}.{i}" for i in range(4)]
         assert list(model.state_dict()) == keys
         with record_trace() as trace:
-            assert_bitwise(plain, step(model))
+            assert_same_step(plain, step(model))
         assert trace.count("recompute") == 4
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    assert_bitwise(plain, step(model))
+    assert_same_step(plain, step(model))
     model.activation_checkpointing_disable()
     assert_nothing_installed()
 
@@ -124,7 +100,7 @@ def test_every_n_matches_hfs_every_n_layers(model_and_layers):
     model.activation_checkpointing_disable()
     with apply_checkpointing(model, every_n=2) as handle:
         assert handle.paths == hf_chosen == [f"{layers}.0", f"{layers}.2"]
-        assert_bitwise(hf, step(model))
+        assert_same_step(hf, step(model))
 
 
 @pytest.mark.parametrize("how", ["offload", ckptlib.save_matmuls], ids=["offload", "save_matmuls"])
@@ -132,7 +108,7 @@ def test_offload_and_selective_are_bitwise_too(how):
     model = llama()
     plain = step(model)
     with apply_checkpointing(model, how=how):
-        assert_bitwise(plain, step(model))
+        assert_same_step(plain, step(model))
 
 
 def test_remove_restores_the_models_own_forward_and_outputs():
@@ -274,7 +250,7 @@ def test_plan_checkpointing_on_llama_is_the_same_twice_predicts_what_is_kept_and
         assert (
             kept_after_forward(model, **inputs) == plans[0].kept_bytes <= plans[0].budget_bytes
         )  # mask too
-        assert_bitwise(plain, step(model))
+        assert_same_step(plain, step(model))
 
 
 def test_checkpoint_sequential_and_the_cost_measurement_take_the_layers_keyword_arguments():
@@ -334,7 +310,7 @@ def test_selective_plans_are_reused_through_hfs_partials_bitwise():
         8,
         0,
     )  # one plan per layer
-    assert_bitwise(plain, got)
+    assert_same_step(plain, got)
 
 
 @pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])

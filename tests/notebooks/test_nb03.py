@@ -24,6 +24,7 @@ import ckptlib
 from ckptlib import CheckpointError, record_trace
 from ckptlib.models import MLPChain
 
+from tests._grads import assert_bitwise_equal, gradients
 from tests._notebooks import cell_source, run_cell
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
@@ -37,15 +38,6 @@ def one_cell_checkpoint():
     namespace: dict = {"__name__": "notebook_03_one_cell"}
     run_cell(cell_source(NB03, cell_id="03-one-cell"), namespace)  # the cell stands alone
     return namespace["one_cell_checkpoint"]
-
-
-def gradients(run, tensors, seed=0):
-    torch.manual_seed(seed)
-    return torch.autograd.grad(run().sum(), tensors)
-
-
-def bitwise_equal(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def functions_to_checkpoint():
@@ -77,10 +69,10 @@ def test_one_cell_checkpoint_is_bitwise_equal_to_plain_autograd_and_torch(
     fn, parameters = functions_to_checkpoint()[name]
     inputs = torch.randn(*shape, requires_grad=True)
     tensors = [inputs, *parameters]
-    ours = gradients(lambda: one_cell_checkpoint(fn, inputs), tensors)
-    assert bitwise_equal(gradients(lambda: fn(inputs), tensors), ours)
-    assert bitwise_equal(
-        gradients(lambda: torch_checkpoint(fn, inputs, use_reentrant=False), tensors), ours
+    ours = gradients(lambda: one_cell_checkpoint(fn, inputs), tensors, seed=0)
+    assert_bitwise_equal(gradients(lambda: fn(inputs), tensors, seed=0), ours)
+    assert_bitwise_equal(
+        gradients(lambda: torch_checkpoint(fn, inputs, use_reentrant=False), tensors, seed=0), ours
     )
 
 

@@ -4,7 +4,6 @@ the demo models' switch; none of the three keeps a table of its own."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import ckptlib.models
 import ckptlib.widgets.schedules
@@ -18,6 +17,7 @@ from ckptlib.schedules.registry import (
     registered,
     unregister,
 )
+from tests._grads import assert_bitwise_equal
 from ckptlib.widgets import MemoryDashboard, ScheduleExplorer
 
 
@@ -49,7 +49,7 @@ def test_one_registry_entry_appears_in_the_explorer_the_dashboard_and_the_models
         model.checkpointing = mode
         model.training_step(batch)
         grads[mode] = [p.grad.clone() for p in model.parameters()]
-    assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads["halves"]))
+    assert_bitwise_equal(grads["halves"], grads["none"])
 
     # The explorer: in its menu, measured against its plan, on its trade-off curve.
     assert ckptlib.widgets.schedules.SCHEDULES["halves"] is None

@@ -14,6 +14,7 @@ from ckptlib.schedules import (
     LayerCost, Plan, Segment, plan_for_budget, recursive, revolve, sqrt_n, uniform,
 )
 from ckptlib.sequential import checkpoint_sequential, measure_layer_costs
+from tests._grads import assert_bitwise_equal
 
 N = 16
 
@@ -26,23 +27,14 @@ def mlp_chain(n: int = N, width: int = 8, dropout: float = 0.0, seed: int = 0) -
     return nn.Sequential(*blocks)
 
 
-def output_and_grads(run, chain: nn.Module, x: torch.Tensor, seed: int = 1):
-    """``run()``'s output and the gradients of its squared sum w.r.t. ``x`` and the parameters."""
+def output_and_grads(run, chain: nn.Module, x: torch.Tensor, seed: int = 1) -> list[torch.Tensor]:
+    """``run()``'s output, then the gradients of its squared sum w.r.t. ``x`` and the parameters."""
     chain.zero_grad(set_to_none=True)
     x.grad = None
     torch.manual_seed(seed)
     out = run()
     out.square().sum().backward()
-    return out.detach(), [x.grad, *(p.grad for p in chain.parameters())]
-
-
-def assert_bitwise_equal(first, second):
-    out_first, grads_first = first
-    out_second, grads_second = second
-    assert torch.equal(out_first, out_second)
-    assert len(grads_first) == len(grads_second)
-    for a, b in zip(grads_first, grads_second):
-        assert torch.equal(a, b)
+    return [out.detach(), x.grad, *(p.grad for p in chain.parameters())]
 
 
 def every_plan(n: int = N) -> list[Plan]:
@@ -194,7 +186,7 @@ def test_models_accept_a_plan():
     expected = [p.grad.clone() for p in model.parameters()]
     model.checkpointing = revolve(8, 2)
     model.training_step(batch)
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+    assert_bitwise_equal([p.grad for p in model.parameters()], expected)
 
 
 # ---------------------------------------------------------------------------

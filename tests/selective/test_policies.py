@@ -35,6 +35,7 @@ from ckptlib.selective import (
     selective_contexts,
 )
 
+from tests._grads import assert_bitwise_equal, take_grads
 from tests.core.test_checkpoint import UNARY, assert_bitwise, grads_of, saved_hooks_installed
 
 aten = torch.ops.aten
@@ -66,22 +67,8 @@ def grads(run, block: torch.nn.Module, x: torch.Tensor, seed: int = 1) -> list[t
     return take_grads(x, block)
 
 
-def take_grads(x: torch.Tensor, block: torch.nn.Module) -> list[torch.Tensor]:
-    """The gradients of ``x`` and the block's parameters, which are then reset."""
-    result = [x.grad.clone(), *(p.grad.clone() for p in block.parameters())]
-    x.grad = None
-    block.zero_grad(set_to_none=True)
-    return result
-
-
 def plain(block, x):
     return block(x)
-
-
-def assert_bitwise_equal(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
-        assert torch.equal(a, e)
 
 
 POLICIES = {

@@ -24,40 +24,20 @@ from ckptlib.selective import (
     selective_checkpoint,
     selective_contexts,
 )
+from tests._grads import assert_same_step, seeded_step
+from tests._models import hf_gpt2, hf_llama
 from tests.selective.test_policies import OpCounter
 
 aten = torch.ops.aten
 VOCAB = 128
 
 
-def _transformers():
-    transformers = pytest.importorskip(
-        "transformers", reason="the hf extra: pip install -e '.[hf]'"
-    )
-    # config notes about random-weight models, not ours to test
-    transformers.logging.set_verbosity_error()
-    return transformers
-
-
 def gpt2() -> torch.nn.Module:
-    transformers = _transformers()
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB)
-    return transformers.GPT2LMHeadModel(config).train()
+    return hf_gpt2(n_layer=2, vocab_size=VOCAB).train()
 
 
 def llama() -> torch.nn.Module:
-    transformers = _transformers()
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-    )
-    return transformers.LlamaForCausalLM(config).train()
+    return hf_llama(num_hidden_layers=2, vocab_size=VOCAB).train()
 
 
 def tiny() -> torch.nn.Module:
@@ -68,28 +48,18 @@ def tiny() -> torch.nn.Module:
 
 def step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One training step with the same dropout masks every time."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    if isinstance(model, ckptlib.TinyTransformer):
-        loss = F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
-    else:
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    loss.backward()
-    return loss.detach(), {
-        name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None
-    }
+
+    def loss() -> torch.Tensor:
+        if isinstance(model, ckptlib.TinyTransformer):
+            return F.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        return model(input_ids=ids, labels=ids, use_cache=False).loss
+
+    return seeded_step(model, loss)
 
 
 def peak_and_result(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, tuple]:
     peak = ckptlib.measure(lambda: step(model, ids)).peak_bytes
     return peak, step(model, ids)
-
-
-def assert_bitwise(expected: tuple, got: tuple) -> None:
-    assert torch.equal(expected[0], got[0]), f"loss {got[0]} != {expected[0]}"
-    assert expected[1].keys() == got[1].keys()
-    differ = [name for name in expected[1] if not torch.equal(expected[1][name], got[1][name])]
-    assert not differ, f"gradients differ: {differ[:3]}"
 
 
 # (4, 64) and (2, 128) on GPT-2: where megatron_attention peaked at 1.09x and 1.12x plain autograd
@@ -108,7 +78,7 @@ def test_megatron_attention_peaks_no_higher_than_plain_autograd_bitwise(make, ba
     assert peak <= plain_peak, (
         f"megatron_attention peaks at {peak} bytes, plain autograd at {plain_peak}"
     )
-    assert_bitwise(plain, got)
+    assert_same_step(plain, got)
 
 
 def keep_all_but_exp(op, *args, **kwargs):
@@ -187,7 +157,7 @@ def test_plans_are_found_again_per_layer_through_hugging_face(make, route):
     )
     assert not _plans_warnings(caught)
     for got in results:
-        assert_bitwise(plain, got)
+        assert_same_step(plain, got)
 
 
 def test_plans_made_useless_by_a_function_per_call_are_named_once_through_hugging_face():
@@ -214,4 +184,4 @@ def test_plans_made_useless_by_a_function_per_call_are_named_once_through_huggin
     assert len(messages) == 1 and "calls recorded a plan and none reused one" in messages[0]
     assert "a new object at every call" in messages[0]
     for got in results:
-        assert_bitwise(plain, got)
+        assert_same_step(plain, got)

@@ -18,6 +18,7 @@ from ckptlib import checkpoint
 from ckptlib.models import MLPChain, TinyTransformer
 from ckptlib.widgets import MemoryDashboard
 from ckptlib.widgets.dashboard import TIMED_STEPS
+from tests._models import hf_gpt2
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 RECORD_KEYS = {
@@ -571,11 +572,8 @@ def test_a_schedule_the_model_accepts_but_runs_plain_is_not_reported_as_zero_sav
 
 
 def gpt2(**sizes):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, **sizes)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return transformers.GPT2LMHeadModel(config)
+    with torch.random.fork_rng(devices=[]):  # the test's own draws stay as they were
+        return hf_gpt2(n_layer=2, **sizes)
 
 
 def own_forward_everywhere(model) -> bool:

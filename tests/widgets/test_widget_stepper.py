@@ -15,6 +15,7 @@ from ckptlib import apply_checkpointing, checkpoint, measure, revolve
 from ckptlib.memory import MemoryMeter
 from ckptlib.models import MLPChain, TinyTransformer
 from ckptlib.widgets import BackwardStepper
+from tests._models import hf_gpt2, hf_llama
 
 FRAME_KEYS = {"event", "phase", "text", "live_bytes", "tensor", "region", "op", "states"}
 TRACE_KINDS = {"pack", "forward_done", "recompute", "early_stop", "unpack", "release"}
@@ -397,10 +398,7 @@ def test_the_output_carries_a_picture_of_the_current_event(blocks):
 
 
 def test_a_hugging_face_model_is_replayed_with_its_layers_checkpointed_and_given_back():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model = hf_gpt2(n_layer=2).eval()
     stepper = BackwardStepper(model, batch=2)
     texts = [frame["text"] for frame in stepper.frames]
     for layer in ("transformer.h.0", "transformer.h.1"):  # regions named by module path
@@ -422,17 +420,7 @@ def test_a_hugging_face_model_is_replayed_with_its_layers_checkpointed_and_given
 
 
 def test_a_decoder_layer_with_its_keyword_arguments_is_checkpointed_as_a_whole():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=64,
-    )
-    llama = transformers.LlamaForCausalLM(config)
+    llama = hf_llama(num_hidden_layers=1, hidden_size=32, intermediate_size=64, vocab_size=64)
     layer = llama.model.layers[0]
     hidden = torch.randn(2, 5, 32, requires_grad=True)
     positions = torch.arange(5)[None].expand(2, 5)
