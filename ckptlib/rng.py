@@ -84,6 +84,7 @@ class RNGState:
 
 
 _CPU_ONLY = frozenset(["cpu"])
+_NONE: frozenset = frozenset()
 _CPU_GENERATOR = torch.default_generator
 
 
@@ -145,9 +146,13 @@ class replay:
 
     def __enter__(self) -> "in_use":
         state = self.state
-        self.caller = capture_devices(state.cuda_devices, tuple(
-            generator for generator, _ in state.caller_generators))
-        _set_states(state)
+        if state.cuda_devices or state.caller_generators:
+            self.caller = capture_devices(state.cuda_devices, tuple(
+                generator for generator, _ in state.caller_generators))
+            _set_states(state)
+        else:   # the common case, the CPU generator alone: the same, in two calls
+            self.caller = RNGState(_CPU_GENERATOR.get_state())
+            _CPU_GENERATOR.set_state(state.cpu)
         self.use = in_use(state)
         return self.use.__enter__()
 
@@ -257,17 +262,17 @@ class in_use:
     __slots__ = ("generators", "thread", "overlapped")
 
     def __init__(self, state: RNGState) -> None:
-        self.generators = state.generators
+        self.generators = _CPU_ONLY if not state.cuda_devices else state.generators
         self.thread = threading.get_ident()
-        self.overlapped: set = set()
+        self.overlapped: frozenset = _NONE   # a new set only when another thread overlaps
 
     def __enter__(self) -> "in_use":
         with _users_lock:
             for other in _users:
                 shared = other.generators & self.generators
                 if shared and other.thread != self.thread:
-                    other.overlapped |= shared
-                    self.overlapped |= shared
+                    other.overlapped = other.overlapped | shared
+                    self.overlapped = self.overlapped | shared
             _users.append(self)
         return self
 

@@ -91,14 +91,17 @@ def saved_key(tensor: torch.Tensor, ptr: int | None, input_ptrs: Collection[int]
     Selective checkpointing's plans extend this key with the node's place.
     """
     if ptr and ptr in input_ptrs:
-        return SavedKey(tensor.shape, tensor.dtype, tensor.device, INPUT)
+        return _key(SavedKey, (tensor.shape, tensor.dtype, tensor.device, INPUT))
     base = tensor._base
     source = tensor if base is None else base
     node = source.grad_fn
     made_by: Any = (type(node) if node is not None
                     else PARAMETER if source.requires_grad else CONSTANT)
-    return SavedKey(tensor.shape, tensor.dtype, tensor.device,
-                    made_by if base is None else (VIEW, made_by))
+    return _key(SavedKey, (tensor.shape, tensor.dtype, tensor.device,
+                           made_by if base is None else (VIEW, made_by)))
+
+
+_key = tuple.__new__   # SavedKey(...) without its Python-level __new__: this runs at every save
 
 
 def producer_words(key: tuple) -> str:
