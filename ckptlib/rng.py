@@ -146,13 +146,9 @@ class replay:
 
     def __enter__(self) -> "in_use":
         state = self.state
-        if state.cuda_devices or state.caller_generators:
-            self.caller = capture_devices(state.cuda_devices, tuple(
-                generator for generator, _ in state.caller_generators))
-            _set_states(state)
-        else:   # the common case, the CPU generator alone: the same, in two calls
-            self.caller = RNGState(_CPU_GENERATOR.get_state())
-            _CPU_GENERATOR.set_state(state.cpu)
+        generators = tuple(g for g, _ in state.caller_generators) if state.caller_generators else ()
+        self.caller = capture_devices(state.cuda_devices, generators)
+        _set_states(state)
         self.use = in_use(state)
         return self.use.__enter__()
 
@@ -262,7 +258,7 @@ class in_use:
     __slots__ = ("generators", "thread", "overlapped")
 
     def __init__(self, state: RNGState) -> None:
-        self.generators = _CPU_ONLY if not state.cuda_devices else state.generators
+        self.generators = state.generators
         self.thread = threading.get_ident()
         self.overlapped: frozenset = _NONE   # a new set only when another thread overlaps
 

@@ -119,7 +119,7 @@ class Frame:
             fn, self.arguments.leaves if self.arguments else ())) if preserve_rng_state else None
         self.rng_after: rng.RNGState | None = None
         self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
-        self.autocast = autocast.state() if autocast.any_enabled() else None
+        self.autocast = autocast.state()
         self.early_stop, self.check_keys = early_stop, check_keys
         self.forward_context, self.recompute_context = contexts   # context_fn was called once
         self.holders: list[weakref.ReferenceType[Holder]] = []
@@ -143,8 +143,7 @@ class Frame:
     def _hooks(self) -> None:
         """Bind each named point to the methods of the observers that have one."""
         observers = self.observers
-        kinds = tuple(map(type, observers))
-        for point, positions in _PLANS.get(kinds) or _plan(kinds):
+        for point, positions in _plan(tuple(map(type, observers))):
             hooks = []
             for position in positions:
                 hooks.append(getattr(observers[position], point))
@@ -298,9 +297,8 @@ class Frame:
         rerun_input_ptrs.update(storage_ptrs(tensors))
         args, kwargs = self.arguments.rebuild(tensors) if self.arguments else (tensors, {})
         random = rng.replay(self.rng) if self.rng is not None else _NOTHING
-        now = autocast.state() if autocast.any_enabled() else None
-        casting = _together(autocast.contexts(self.autocast)) if self.autocast != now \
-            else _NOTHING
+        casting = _together(autocast.contexts(self.autocast)) \
+            if self.autocast != autocast.state() else _NOTHING
         watches = self.around_rerun
         watch = watches[0](self) if len(watches) == 1 else _together([w(self) for w in watches])
         try:
