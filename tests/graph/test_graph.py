@@ -835,17 +835,22 @@ def test_a_box_two_nodes_share_shows_the_most_alive_state():
     assert both.saved_bytes == 0 and freed_once.saved_bytes == 12
 
 
-def test_redrawing_a_replayed_graph_is_fast_enough_for_a_slider():
-    import time
+@pytest.mark.skipif(shutil.which("dot") is None, reason="counts runs of the system `dot`")
+def test_redrawing_a_replayed_graph_is_one_graphviz_run_on_plain_data(monkeypatch):
+    """What keeps a stepper's slider quick: a redraw recolours the recorded graph (plain data,
+    no autograd walk, no tensors) and runs Graphviz once. Counted, not timed: a shared
+    machine's clock says more about its neighbours than about the redraw."""
+    from ckptlib.graph import render
 
     _, graph = checkpointed_mlp("block")
     saved = [(n.id, s.name) for n in graph.nodes for s in n.saved]
-    render_svg(to_dot(graph))  # first call pays for starting Graphviz
-    start = time.perf_counter()
-    for step in range(10):
-        render_svg(to_dot(with_statuses(graph, {key: "recomputed" for key in saved[:step]})))
-    per_redraw_s = (time.perf_counter() - start) / 10
-    assert per_redraw_s < 0.5, f"{per_redraw_s * 1000:.0f} ms per redraw"
+    gc.collect()  # the model and its tensors are gone; the recorded graph still draws
+    runs, run_dot = [], render._run_dot
+    monkeypatch.setattr(render, "_run_dot", lambda *a: runs.append(a[2]) or run_dot(*a))
+    svgs = [render_svg(to_dot(with_statuses(graph, {key: "recomputed" for key in saved[:step]})))
+            for step in range(len(saved) + 1)]
+    assert runs == ["svg"] * len(svgs)
+    assert all("<svg" in svg for svg in svgs) and svgs[0] != svgs[-1]
 
 
 # ---------------------------------------------------------------------------
