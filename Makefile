@@ -52,6 +52,7 @@ figures: setup
 bench: setup
 	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS) --json benchmarks/results/cpu.json --markdown benchmarks/README.md --figures figures
 	$(BIN)/python benchmarks/region_cost.py --json benchmarks/results/region_cost.json --markdown benchmarks/README.md
+	$(BIN)/python benchmarks/hf_models.py --json benchmarks/results/hf_models.json --markdown benchmarks/README.md
 
 # The GPU run (see benchmarks/README.md): `make gpu-wheels` here fills .whl/ with what the GPU
 # machine lacks; there, `benchmarks/gpu_check.sh OUTDIR` runs every CUDA check in one go.

@@ -1,6 +1,7 @@
 """ckptlib on Hugging Face models built from configs: every variant against plain and HF's switch.
 
     python benchmarks/hf_models.py [--rounds 7] [--json benchmarks/results/hf_models.json]
+                                   [--markdown benchmarks/README.md] [--from-json FILE]
 
 GPT-2 (4 layers, n_embd 128, dropout on) and Llama (4 layers, hidden 128), random weights,
 nothing downloaded, one training step on a batch of 4 x 64 token ids with a padding mask. Per
@@ -8,13 +9,16 @@ model and variant: loss and gradients bitwise equal to no checkpointing and to H
 own switch (``activation_checkpointing_enable``, non-reentrant); the peak of the live-storage
 meter (``ckptlib.measure``) over the step; and the step time over HF's, from interleaved rounds
 (each round runs every variant once, in a rotating order; median and quartiles of the ratio per
-round), one torch thread, this process's CPU time. The budget planner
-(``plan_checkpointing``) is run twice per budget to show it picks the same plan.
+round), one torch thread, this process's CPU time. ``torch SAC save_matmuls`` is HF's switch
+with torch's own selective checkpoint keeping the ops ``ckptlib.save_matmuls`` keeps: the
+reference for the selective variants. The budget planner (``plan_checkpointing``) is run twice
+per budget to show it picks the same plan.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import statistics
 import sys
@@ -23,8 +27,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import ckptlib
+
+try:   # run as a script (python benchmarks/hf_models.py) or as a module (-m benchmarks.hf_models)
+    from region_cost import write_between_markers
+except ImportError:
+    from benchmarks.region_cost import write_between_markers
 
 VOCAB, BATCH, SEQ = 256, 4, 64
 
@@ -76,13 +86,17 @@ def variants(model: torch.nn.Module, inputs: dict, budgets: list[int]) -> dict:
     """name -> a context manager that sets the model up for that variant (and undoes it)."""
 
     @contextlib.contextmanager
-    def hf_switch() -> Iterator[None]:
+    def hf_switch(**kwargs) -> Iterator[None]:
         model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
+            activation_checkpointing_kwargs={"use_reentrant": False, **kwargs})
         try:
             yield
         finally:
             model.activation_checkpointing_disable()
+
+    # torch's own selective checkpoint with the same ops kept: the reference for ckptlib's
+    torch_save_matmuls = functools.partial(create_selective_checkpoint_contexts,
+                                           list(ckptlib.save_matmuls))
 
     def applied(**kwargs):
         return lambda: ckptlib.apply_checkpointing(model, **kwargs)
@@ -93,6 +107,7 @@ def variants(model: torch.nn.Module, inputs: dict, budgets: list[int]) -> dict:
         "ckptlib full": applied(),
         "ckptlib every 2nd": applied(every_n=2),
         "ckptlib save_matmuls": applied(how=ckptlib.save_matmuls),
+        "torch SAC save_matmuls": lambda: hf_switch(context_fn=torch_save_matmuls),
         "ckptlib megatron_attention": applied(how=ckptlib.megatron_attention),
         "ckptlib offload": applied(how="offload"),
     }
@@ -168,16 +183,48 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+MARKDOWN_BEGIN = "<!-- hf models: begin (written by benchmarks/hf_models.py --markdown) -->"
+MARKDOWN_END = "<!-- hf models: end -->"
+
+
+def markdown(result: dict) -> str:
+    """One table per model: bitwise equalities, peak and time over HF's switch, and the
+    planner's two runs."""
+    parts = [f"torch {result['torch']}, {result['threads']} thread, {result['clock']}, "
+             f"{result['rounds']} interleaved rounds, batch {result['batch'][0]} x "
+             f"{result['batch'][1]} tokens.", ""]
+    for model_name, numbers in result["models"].items():
+        parts += [f"**{model_name}** (plain autograd saves "
+                  f"{numbers['saved_bytes_plain'] / 2**20:.1f} MiB)", "",
+                  "| variant | = none | = HF | peak MiB | time / HF (median) | quartiles |",
+                  "|---|---|---|---:|---:|---|"]
+        for name, row in numbers["variants"].items():
+            low, high = row["time_vs_hf_quartiles"]
+            parts.append(f"| {name} | {'yes' if row['bitwise_vs_none'] else '**no**'} | "
+                         f"{'yes' if row['bitwise_vs_hf'] else '**no**'} | "
+                         f"{row['peak_bytes'] / 2**20:.2f} | {row['time_vs_hf']:.2f} | "
+                         f"{low:.2f} to {high:.2f} |")
+        same = all(plan["same"] for plan in numbers["planner"].values())
+        parts += ["", f"The planner picked the same plan in both runs at every budget: "
+                      f"{'yes' if same else '**no**'}.", ""]
+    return "\n".join(parts).rstrip()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    parser.add_argument("--from-json", type=Path, default=None, help="print a saved run")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="write the tables between the hf-models markers of this Markdown file")
+    parser.add_argument("--from-json", type=Path, default=None, help="report a saved run")
     args = parser.parse_args(argv)
     result = json.loads(args.from_json.read_text()) if args.from_json else measure(args.rounds)
     print(table(result))
     if args.json is not None and args.from_json is None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.markdown is not None:
+        write_between_markers(args.markdown, MARKDOWN_BEGIN, MARKDOWN_END, markdown(result),
+                              "hf-models")
 
 
 if __name__ == "__main__":

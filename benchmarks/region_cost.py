@@ -308,15 +308,19 @@ def markdown(result: dict) -> str:
 
 def write_markdown(path: Path, result: dict) -> None:
     """Replace the text between the region-cost markers in ``path`` with :func:`markdown`."""
+    write_between_markers(path, MARKDOWN_BEGIN, MARKDOWN_END, markdown(result), "region-cost")
+
+
+def write_between_markers(path: Path, begin: str, end: str, body: str, name: str) -> None:
+    """Replace the text between the lines ``begin`` and ``end`` (the ``name`` markers) of
+    ``path`` with ``body``."""
     text = path.read_text()
-    if MARKDOWN_BEGIN not in text or MARKDOWN_END not in text:
-        raise SystemExit(
-            f"{path} has no region-cost markers ({MARKDOWN_BEGIN} ... {MARKDOWN_END}); add "
-            "them where the table should go."
-        )
-    head, rest = text.split(MARKDOWN_BEGIN, 1)
-    _, tail = rest.split(MARKDOWN_END, 1)
-    path.write_text(f"{head}{MARKDOWN_BEGIN}\n{markdown(result)}\n{MARKDOWN_END}{tail}")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path} has no {name} markers ({begin} ... {end}); add them where the "
+                         "table should go.")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{body}\n{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> None:
