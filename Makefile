@@ -29,7 +29,7 @@ lab: setup
 	@command -v dot >/dev/null || echo "note: Graphviz 'dot' not found; graphs render with the bundled WebAssembly Graphviz instead."
 	$(BIN)/jupyter lab $(ROOT_FLAG) --notebook-dir=. $(LAB_ARGS) $(NOTEBOOK)
 
-# The linter first (ruff: line length 100, pyflakes); the layering check is tests/test_layers.py.
+# The linter first (ruff: line length 100, pyflakes); the layering check is tests/tools/test_layers.py.
 test: setup lint
 	$(BIN)/python -m pytest --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-current-env
 

@@ -179,7 +179,7 @@ def megatron_attention(op: OpOverload, *args: Any, **kwargs: Any) -> bool:
     intermediate results); those it lets go when the rerun would not read them, and
     where keeping them would hold more than plain autograd does (``cap_every_op``),
     so that it holds no more than no checkpoint would (measured on GPT-2, Llama and
-    ``TinyTransformer`` in ``tests/test_selective_memory.py``).
+    ``TinyTransformer`` in ``tests/selective/test_selective_memory.py``).
 
     Written for Transformers: in a model with other 4-d tensors (images), the
     dims rule also recomputes those.
