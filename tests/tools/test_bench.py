@@ -1,7 +1,7 @@
 """Tests for ``python -m benchmarks.bench``: it runs end to end at tiny sizes, writes what it says,
-and computes its ratios correctly (its fits are the library's: tests/tools/test_fits.py). Nothing here
-asserts a timing: performance is what the benchmark reports, not what a test can promise on a
-shared machine."""
+and computes its ratios correctly (its fits are the library's: tests/tools/test_fits.py).
+Nothing here asserts a timing: performance is what the benchmark reports, not what a test can
+promise on a shared machine."""
 
 from __future__ import annotations
 
