@@ -153,6 +153,25 @@ def test_megatron_attention_recomputes_exactly_the_attention_core():
     assert not {"bmm", "_softmax", "masked_fill"} & kept
 
 
+def test_megatron_attention_finds_a_per_head_tensor_wherever_the_op_takes_it():
+    flat, per_head = torch.zeros(4, 8), torch.zeros(2, 4, 16, 16)
+    recomputed = [  # (arguments, recomputed: the policy says "do not keep")
+        ((flat, flat), False),
+        ((per_head, flat), True),
+        ((flat, per_head), True),
+        ((flat, [flat, per_head]), True),   # a list argument (aten.cat, aten.stack)
+        ((flat, (3, [per_head])), True),    # nested
+        ((flat, [flat], None, 2.0), False),
+    ]
+    for args, expected in recomputed:
+        assert megatron_attention(aten.add.Tensor, *args) is not expected, args
+    assert megatron_attention(aten.add.Tensor, flat, other=per_head) is False   # a keyword
+    assert megatron_attention(aten.add.Tensor, flat, other=flat) is True
+    assert megatron_attention(aten.bmm.default, flat, flat) is False   # the core, any shape
+    with pytest.raises(TypeError, match="Pass it as policy=megatron_attention"):
+        megatron_attention("add", flat)
+
+
 def test_random_op_replay_moves_the_generator_like_the_op():
     # The first draw is replayed from the cache, the second is rerun: the second
     # only matches the forward if the replay left the generator where the op did.
