@@ -166,30 +166,13 @@ def measure(rounds: int) -> dict:
             "threads": 1, "clock": "process CPU time", "batch": [BATCH, SEQ], "models": results}
 
 
-def table(result: dict) -> str:
-    lines = []
-    for model_name, numbers in result["models"].items():
-        lines.append(f"{model_name} (plain autograd saves {numbers['saved_bytes_plain']:,} bytes)")
-        lines.append(f"  {'variant':<28} {'= none':>7} {'= HF':>6} {'peak bytes':>14} "
-                     f"{'time / HF':>10} {'quartiles':>15}")
-        for name, row in numbers["variants"].items():
-            low, high = row["time_vs_hf_quartiles"]
-            lines.append(f"  {name:<28} {str(row['bitwise_vs_none']):>7} "
-                         f"{str(row['bitwise_vs_hf']):>6} {row['peak_bytes']:>14,} "
-                         f"{row['time_vs_hf']:>10.3f} {f'{low:.3f}-{high:.3f}':>15}")
-        for budget, plan in numbers["planner"].items():
-            lines.append(f"  planner at {int(budget):,} bytes: run 1 {plan['run 1']}, "
-                         f"run 2 {'the same' if plan['same'] else plan['run 2']}")
-    return "\n".join(lines)
-
-
 MARKDOWN_BEGIN = "<!-- hf models: begin (written by benchmarks/hf_models.py --markdown) -->"
 MARKDOWN_END = "<!-- hf models: end -->"
 
 
 def markdown(result: dict) -> str:
-    """One table per model: bitwise equalities, peak and time over HF's switch, and the
-    planner's two runs."""
+    """One table per model (bitwise equalities, peak and time over HF's switch) and the modules
+    the planner chose in its two runs; printed, and written between the markers."""
     parts = [f"torch {result['torch']}, {result['threads']} thread, {result['clock']}, "
              f"{result['rounds']} interleaved rounds, batch {result['batch'][0]} x "
              f"{result['batch'][1]} tokens.", ""]
@@ -204,9 +187,12 @@ def markdown(result: dict) -> str:
                          f"{'yes' if row['bitwise_vs_hf'] else '**no**'} | "
                          f"{row['peak_bytes'] / 2**20:.2f} | {row['time_vs_hf']:.2f} | "
                          f"{low:.2f} to {high:.2f} |")
-        same = all(plan["same"] for plan in numbers["planner"].values())
-        parts += ["", f"The planner picked the same plan in both runs at every budget: "
-                      f"{'yes' if same else '**no**'}.", ""]
+        parts.append("")
+        for budget, plan in numbers["planner"].items():
+            second = "the same" if plan["same"] else "**other**: " + ", ".join(plan["run 2"])
+            parts.append(f"- planner {int(budget) / 2**20:.1f} MiB chose "
+                         f"{', '.join(plan['run 1'])}; run 2 {second}")
+        parts.append("")
     return "\n".join(parts).rstrip()
 
 
@@ -219,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from-json", type=Path, default=None, help="report a saved run")
     args = parser.parse_args(argv)
     result = json.loads(args.from_json.read_text()) if args.from_json else measure(args.rounds)
-    print(table(result))
+    print(markdown(result))
     if args.json is not None and args.from_json is None:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.markdown is not None:
