@@ -92,13 +92,16 @@ class _NoGuards:
     """A guards observer that checks nothing (``ckptlib, hooks only`` and ``+ RNG``, ``+ keys``)."""
 
     def __init__(self, fn: Any, inputs: list[torch.Tensor], *rest: Any) -> None:
-        pass
+        self.reads = _NO_READS   # an observer with no methods, as the guards' reads
 
     def mismatch_causes(self) -> str:
         return ""
 
     def lost_transform(self) -> None:
         return None
+
+
+_NO_READS = object()
 
 
 @contextlib.contextmanager

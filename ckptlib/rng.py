@@ -128,33 +128,56 @@ def capture_devices(cuda_devices: tuple[int, ...],
     )
 
 
+def capture_for(fn: Callable[..., Any], tensors: list[torch.Tensor],
+                arguments: Iterable[Any] = ()) -> RNGState:
+    """What a checkpoint call captures: the CPU generator, those of the CUDA devices its input
+    ``tensors`` live on (and the current one) and the caller's generators that ``fn`` and its
+    argument leaves reach (:func:`generators_reachable`)."""
+    if type(fn) is types.BuiltinFunctionType and not arguments \
+            and not torch.cuda.is_initialized():   # torch.sin on CPU: the CPU generator alone
+        return RNGState(_CPU_GENERATOR.get_state())
+    return capture_devices(cuda_devices_of(tensors), generators_reachable(fn, arguments))
+
+
 class replay:
     """Context manager: run the block with the generators set to ``state``; put the caller's
     back afterwards (what ``torch.random.fork_rng`` does, for just these generators).
 
-    Entering gives the block's :class:`in_use` registration (see the notes on threads).
-    (A class, not a generator function: it runs at every rerun.)
+    A replay is itself the block's :class:`in_use` registration (see the notes on threads):
+    ``overlapped`` says which generators another thread used while it ran. (A class, not a
+    generator function: it runs at every rerun; the CPU generator alone takes no loop.)
     """
 
-    __slots__ = ("state", "caller", "use")
+    __slots__ = ("state", "caller", "generators", "thread", "overlapped")
 
     def __init__(self, state: RNGState) -> None:
-        if not isinstance(state, RNGState):
+        if type(state) is not RNGState:
             raise TypeError("replay: state must be an RNGState from rng.capture(...), got "
                             f"{type(state).__name__}.")
         self.state = state
+        self.generators = _CPU_ONLY if not state.cuda_devices else state.generators
+        self.thread = threading.get_ident()
+        self.overlapped: frozenset = _NONE
 
-    def __enter__(self) -> "in_use":
+    def __enter__(self) -> "replay":
         state = self.state
-        generators = tuple(g for g, _ in state.caller_generators) if state.caller_generators else ()
-        self.caller = capture_devices(state.cuda_devices, generators)
-        _set_states(state)
-        self.use = in_use(state)
-        return self.use.__enter__()
+        if state.cuda_devices or state.caller_generators:
+            self.caller = capture_devices(state.cuda_devices,
+                                          tuple(g for g, _ in state.caller_generators))
+            _set_states(state)
+        else:   # the common case: the CPU generator alone
+            self.caller = RNGState(_CPU_GENERATOR.get_state())
+            _CPU_GENERATOR.set_state(state.cpu)
+        return in_use.__enter__(self)
 
     def __exit__(self, *exc_info: object) -> None:
-        self.use.__exit__()
-        _set_states(self.caller)
+        with _users_lock:
+            _users.remove(self)
+        caller = self.caller
+        if caller.cuda_devices or caller.caller_generators:
+            _set_states(caller)
+        else:
+            _CPU_GENERATOR.set_state(caller.cpu)
 
 
 def _set_states(state: RNGState) -> None:
@@ -258,11 +281,11 @@ class in_use:
     __slots__ = ("generators", "thread", "overlapped")
 
     def __init__(self, state: RNGState) -> None:
-        self.generators = state.generators
+        self.generators = _CPU_ONLY if not state.cuda_devices else state.generators
         self.thread = threading.get_ident()
         self.overlapped: frozenset = _NONE   # a new set only when another thread overlaps
 
-    def __enter__(self) -> "in_use":
+    def __enter__(self: Any) -> Any:   # also a replay's registration
         with _users_lock:
             for other in _users:
                 shared = other.generators & self.generators
@@ -278,7 +301,7 @@ class in_use:
 
 
 _users_lock = threading.Lock()
-_users: list[in_use] = []
+_users: list = []   # the in_use and replay blocks open now, in any thread
 
 
 def shared_with_another_thread(before: RNGState, after: RNGState | None, overlap: set,
@@ -288,8 +311,8 @@ def shared_with_another_thread(before: RNGState, after: RNGState | None, overlap
     Whether the region draws at all is read from the state its forward left (``after``): read
     in the forward's own thread, never from a generator another thread may be moving."""
     for run in replays:
-        if run.use.overlapped:
-            overlap = overlap | run.use.overlapped
+        if run.overlapped:
+            overlap = overlap | run.overlapped
     drawn = drawn_from(before, after) & overlap if overlap and after is not None else set()
     if not drawn:
         return None
@@ -357,7 +380,9 @@ class ForeignDraws:
     @staticmethod
     def first_time(fn: Callable[..., Any]) -> "ForeignDraws | None":
         """A ``ForeignDraws`` taken now, on the first call of ``fn``; ``None`` on later calls."""
-        code = _code_of(fn)
+        kind = type(fn)   # the common cases inline (this runs at every checkpoint call)
+        code = fn.__code__ if kind is types.FunctionType else kind if kind is \
+            types.BuiltinFunctionType else _code_of(fn)
         if id(code) in _checked_functions:
             return None
         _checked_functions[id(code)] = code

@@ -34,7 +34,9 @@ def storage_ptr(tensor: torch.Tensor) -> int | None:
 
 def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
     """The storage pointers of ``tensors`` (those without memory left out)."""
-    return {ptr for ptr in map(storage_ptr, tensors) if ptr}
+    ptrs = set(map(storage_ptr, tensors))
+    ptrs.discard(None)
+    return ptrs
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> dict[int, int]:

@@ -27,7 +27,8 @@ too (nesting, also with ``torch.utils.checkpoint`` on either side).
 
 Observers. At named points the frame calls its observers' methods: ``on_pack``,
 ``after_forward``, ``before_rerun``, ``on_recompute``, ``on_fill``, ``on_early_stop``,
-``on_unpack``, ``on_release``, and enters their ``around_forward()`` / ``around_rerun()``.
+``after_rerun``, ``on_unpack``, ``on_release``, and enters their ``around_forward()`` /
+``around_rerun()``.
 They never change what is computed. :class:`~ckptlib.core.guards.Guards` is always there (what a
 rerun must reproduce beyond the keys: versions of what it reads, replaced parameters, in-place
 changes); :class:`~ckptlib.core.trace.Tracer` while a trace is recorded; selective
@@ -108,15 +109,17 @@ class Frame:
                  early_stop: bool, contexts: tuple[ContextManager, ContextManager], debug: bool,
                  check_keys: bool) -> None:
         self.fn, self.number = fn, next(_region_numbers)
-        if kwargs or any(not isinstance(a, torch.Tensor) for a in args):
-            self.arguments: inputs.Arguments | None = inputs.Arguments(args, kwargs)
-            tensors = self.arguments.tensors
-        else:   # the common case, tensors only: the inputs are the arguments, no pytree
-            self.arguments, tensors = None, list(args)
+        self.arguments: inputs.Arguments | None = None
+        tensors = list(args)   # the common case, tensors only: the inputs are the arguments
+        for arg in args if not kwargs else (None,):
+            if not isinstance(arg, torch.Tensor):   # anything else: the arguments as a pytree
+                self.arguments = inputs.Arguments(args, kwargs)
+                tensors = self.arguments.tensors
+                break
         self.saved_inputs: list | None = inputs.save_inputs(tensors)   # each with .unpack()
         self.input_ptrs = storage_ptrs(tensors)
-        self.rng = rng.capture_devices(rng.cuda_devices_of(tensors), rng.generators_reachable(
-            fn, self.arguments.leaves if self.arguments else ())) if preserve_rng_state else None
+        self.rng = rng.capture_for(fn, tensors, self.arguments.leaves if self.arguments else ()) \
+            if preserve_rng_state else None
         self.rng_after: rng.RNGState | None = None
         self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
         self.autocast = autocast.state()
@@ -127,7 +130,7 @@ class Frame:
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
         self.guards = guards.Guards(fn, tensors, self.input_ptrs)
-        self.observers: list[Any] = [self.guards]
+        self.observers: list[Any] = [self.guards, self.guards.reads]   # and what fn reads
         observe = getattr(self.forward_context, "observe_saved_tensors", None)   # extension point
         callback = observe() if observe is not None else None
         if callback is not None:
@@ -137,8 +140,8 @@ class Frame:
         self._hooks()
 
     # The named points: each holds the bound methods of the observers that have one.
-    on_pack = after_forward = before_rerun = on_recompute = on_fill = on_early_stop = on_unpack = \
-        on_release = around_rerun = around_forward = ()
+    on_pack = after_forward = before_rerun = on_recompute = on_fill = on_early_stop = \
+        after_rerun = on_unpack = on_release = around_rerun = around_forward = ()
 
     def _hooks(self) -> None:
         """Bind each named point to the methods of the observers that have one."""
@@ -183,35 +186,32 @@ class Frame:
 
     # -- backward (steps 2 and 5) ---------------------------------------------------------
     def unpack(self, holder: Holder) -> torch.Tensor:
-        peeking = peek.peeking()
+        peeking = peek.state.peek
         if peeking is not None:
             return peeking.answer(self, holder)
         task = torch._C._current_graph_task_id()
-        if task == -1:   # grad_fn._saved_* read by hand: recompute for this read, keep nothing
+        outside = task == -1   # grad_fn._saved_* read by hand: recompute for it, keep nothing
+        if outside:
             task = -next(_outside_backward_tasks)
-            try:
+        try:
+            if task not in self.recomputed_in:
                 self.recompute(task, holder.index)
-                return self._hand_over(holder, task)
-            finally:
+            tensor = holder.recomputed.get(task, _USED)
+            if tensor is _USED:
+                raise CheckpointError(
+                    f"checkpoint {self.region}: saved tensor #{holder.index} "
+                    f"({self.meta(holder.index)}) was unpacked twice in one backward pass. Each "
+                    "recomputed tensor is handed out once and then released. If a custom "
+                    "autograd.Function reads ctx.saved_tensors more than once in backward, read "
+                    "it once into a local variable.")
+            for hook in self.on_unpack:
+                hook(self, task, holder, tensor)
+            holder.recomputed[task] = _USED   # handed over: forgotten (step 5)
+            holder.unpack_count += 1
+            return tensor
+        finally:
+            if outside:
                 self.release(task)
-        if task not in self.recomputed_in:
-            self.recompute(task, holder.index)
-        return self._hand_over(holder, task)
-
-    def _hand_over(self, holder: Holder, task: int) -> torch.Tensor:
-        tensor = holder.recomputed.get(task, _USED)
-        if tensor is _USED:
-            raise CheckpointError(
-                f"checkpoint {self.region}: saved tensor #{holder.index} "
-                f"({self.meta(holder.index)}) was unpacked twice in one backward pass. Each "
-                "recomputed tensor is handed out once and then released. If a custom "
-                "autograd.Function reads ctx.saved_tensors more than once in backward, read it "
-                "once into a local variable.")
-        for hook in self.on_unpack:
-            hook(self, task, holder, tensor)
-        holder.recomputed[task] = _USED
-        holder.unpack_count += 1
-        return tensor
 
     def recompute(self, task: int, trigger: int) -> None:
         if trace.open_traces and not any(isinstance(o, trace.Tracer) for o in self.observers):
@@ -219,10 +219,14 @@ class Frame:
             self._hooks()
         for hook in self.before_rerun:
             hook(self)
-        alive = [i for i, ref in enumerate(self.holders) if ref() is not None]
-        last_needed = alive[-1] if alive else -1
+        alive = 0   # holders backward can still ask for, and the last of them
+        last_needed = -1
+        for index, ref in enumerate(self.holders):
+            if ref() is not None:
+                alive += 1
+                last_needed = index
         for hook in self.on_recompute:
-            hook(self, trigger, len(alive), False)
+            hook(self, trigger, alive, False)
         self.recomputed_in.add(task)
         self.recompute_count += 1
         if task >= 0:
@@ -231,7 +235,7 @@ class Frame:
             self.rerun(task, last_needed)
         except RecomputeAgain:   # selective checkpointing: a skipped result was needed after all
             for hook in self.on_recompute:
-                hook(self, trigger, len(alive), True)
+                hook(self, trigger, alive, True)
             try:
                 self.rerun(task, last_needed)
             except RecomputeAgain:
@@ -299,15 +303,18 @@ class Frame:
         random = rng.replay(self.rng) if self.rng is not None else _NOTHING
         casting = _together(autocast.contexts(self.autocast)) \
             if self.autocast != autocast.state() else _NOTHING
+        leaving_inference = torch.inference_mode(False) if torch.is_inference_mode_enabled() \
+            else _NOTHING   # a backward under inference mode is legal; the rerun records a graph
         watches = self.around_rerun
         watch = watches[0](self) if len(watches) == 1 else _together([w(self) for w in watches])
+        failure = None
         try:
             with torch.autograd.graph.saved_tensors_hooks(fill, _identity), watch:
                 _thread.recompute_depth += 1
                 grad_was = torch.is_grad_enabled()   # off in backward: the rerun records a graph
                 torch._C._set_grad_enabled(True)
                 try:
-                    with random, guards.outside_inference_mode(), casting, self.recompute_context:
+                    with random, leaving_inference, casting, self.recompute_context:
                         try:
                             self.fn(*args, **kwargs)
                         except StopRecomputation:   # caught here: the contexts exit normally
@@ -315,20 +322,27 @@ class Frame:
                 finally:
                     torch._C._set_grad_enabled(grad_was)
                     _thread.recompute_depth -= 1
-        except RecomputeAgain:
-            raise   # the holders filled so far are filled again by the next run
         except BaseException as error:
-            # Code between the hook and here may wrap the early stop in its own exception
-            # (TorchScript re-raises it as a RuntimeError): once stopped, every needed holder
-            # is filled.
-            if not stopped:
-                self.release(task)
-                lost = self.guards.lost_transform()
-                if lost is not None and not isinstance(error, CheckpointError):
-                    raise CheckpointError(f"checkpoint {self.region}: {lost}") from error
-                raise
+            failure = error
+        try:
+            for hook in self.after_rerun:
+                hook(self, failure)
+        except BaseException as refusal:   # an observer's refusal takes the failure's place
+            failure = refusal
+        if failure is not None and not isinstance(failure, RecomputeAgain) and not stopped:
+            # (RecomputeAgain: the holders filled so far are filled again by the next run.) Code
+            # between the hook and here may wrap the early stop in its own exception
+            # (TorchScript re-raises it as a RuntimeError): once stopped, every needed holder is
+            # filled.
+            self.release(task)
+            lost = self.guards.lost_transform()
+            if lost is not None and not isinstance(failure, CheckpointError):
+                raise CheckpointError(f"checkpoint {self.region}: {lost}") from failure
+            raise failure
+        if isinstance(failure, RecomputeAgain):
+            raise failure
         shared = None
-        if self.rng is not None and (self.rng_overlap or random.use.overlapped):
+        if self.rng is not None and (self.rng_overlap or random.overlapped):
             shared = rng.shared_with_another_thread(self.rng, self.rng_after, self.rng_overlap,
                                                     [random])
         if shared or count <= last_needed:
@@ -359,7 +373,7 @@ class Frame:
 
 
 _POINTS = ("on_pack", "after_forward", "before_rerun", "on_recompute", "on_fill", "on_early_stop",
-           "on_unpack", "on_release", "around_rerun", "around_forward")
+           "after_rerun", "on_unpack", "on_release", "around_rerun", "around_forward")
 _PLANS: dict[tuple[type, ...], tuple[tuple[str, tuple[int, ...]], ...]] = {}
 
 

@@ -11,10 +11,10 @@ wrong gradient. The core (``ckptlib/core/checkpoint.py``) compares each saved te
 
 * ``on_pack``: a saved leaf (a parameter, ``weight.t()``) is noted with its version and identity,
   and whether dropping the tensor frees memory at all;
-* ``after_forward``: what the forward wrote (BatchNorm's statistics) is told from what it read,
-  and an input the function changed itself is noted;
-* ``before_rerun``: the versions of what the rerun certainly reads (``reads.py``);
-  ``around_rerun``: the rest it may read, and state it writes twice;
+* its ``reads`` (``reads.py``), a second observer: ``after_forward`` tells what the forward
+  wrote (BatchNorm's statistics) from what it read and notes an input the function changed
+  itself; ``before_rerun`` compares the versions of what the rerun certainly reads;
+  ``around_rerun`` watches the rest it may read; ``after_rerun`` warns about state written twice;
 * ``on_fill``: the rerun saved the same parameter; a recomputed tensor's version;
 * ``on_unpack``: that version again, as autograd would check it.
 
@@ -32,7 +32,7 @@ context may put a buffer back after the rerun.
 
 A function that changes its own input (``u.mul_(2)``) destroys the values the rerun would start
 from. Plain autograd keeps every activation and does not mind; a checkpoint cannot recompute, and
-says so (:func:`input_modified_by_fn`) instead of blaming a change "after the forward".
+says so (``reads.input_modified_by_fn``) instead of blaming a change "after the forward".
 
 A parameter replaced between forward and backward (``torch.func.functional_call`` swaps a
 module's parameters only while its call runs) has the same key as the one it replaced. The
@@ -52,13 +52,12 @@ node a second time and fire twice in backward.
 Transforms that ended. A forward under forward-mode AD or ``torch.func.vmap`` saves tensors that
 a backward outside it cannot rebuild; the rerun then saves other tensors or fails inside functorch.
 :func:`lost_transform` names that cause. A backward under ``torch.inference_mode()`` is legal: the
-rerun leaves inference mode to record its graph (:func:`outside_inference_mode`).
+rerun leaves inference mode to record its graph (the core does that).
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
-from typing import Any, ContextManager
+from typing import Any
 
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -68,9 +67,8 @@ from ckptlib.core.keys import CONSTANT, MISMATCH_CAUSES, TensorMeta
 from ckptlib.core.reads import OutsideReads
 from ckptlib.storage import storage_ptr, storage_ptrs
 
-__all__ = ["Guards", "modified_in_place", "input_modified_by_fn", "replaced_parameter",
-           "may_be_filled_later", "rerun_input", "transform_levels", "lost_transform",
-           "outside_inference_mode"]
+__all__ = ["Guards", "modified_in_place", "replaced_parameter",
+           "may_be_filled_later", "rerun_input", "transform_levels", "lost_transform"]
 
 
 def _leaf_of(tensor: torch.Tensor) -> torch.Tensor | None:
@@ -82,15 +80,17 @@ def _leaf_of(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 class Guards:
-    """The checks of one checkpoint call beyond its keys (see the notes above); an observer."""
+    """The checks of one checkpoint call beyond its keys (see the notes above): an observer of
+    each saved tensor; what the region reads is watched by its ``reads``, the second observer
+    (:class:`~ckptlib.core.reads.OutsideReads`). The frame calls both."""
 
     def __init__(self, fn: Any, inputs: list[torch.Tensor],
                  input_ptrs: set[int] | None = None) -> None:
         self.reads = OutsideReads(fn, inputs)
         # saved tensors sharing these free nothing (the core passes the set it made)
         self.input_ptrs = storage_ptrs(inputs) if input_ptrs is None else input_ptrs
-        self.transforms = transform_levels()       # forward-mode AD and torch.func levels
-        self.inputs_modified_by_fn: str | None = None
+        # forward-mode AD and torch.func levels (transform_levels(), inline: runs at every call)
+        self.transforms = forward_ad._current_level, torch._C._functorch.maybe_current_level()
         # index -> (id, storage) of a saved leaf that requires grad (a parameter or an input). The
         # rerun must save the same tensor or the same storage: FSDP2 gathers a parameter anew (same
         # tensor, new storage); the rerun's inputs are detached (new tensor, same storage).
@@ -99,11 +99,12 @@ class Guards:
         self.versions: dict[tuple[int, int], int] = {}
 
     def on_pack(self, frame: Any, holder: Any, tensor: torch.Tensor, ptr: int | None) -> None:
-        leaf = _leaf_of(tensor)
-        if leaf is None:
+        leaf = tensor if tensor.is_leaf else tensor._base   # a parameter, ``weight.t()``
+        if leaf is None or not leaf.is_leaf:
             holder.frees_memory = not (ptr and ptr in self.input_ptrs)
             return
-        self.reads.add_saved_leaf(leaf)   # its version is checked before a rerun
+        # its version is checked before a rerun (kept weakly)
+        self.reads.saved_leaves.append((weakref.ref(leaf), leaf._version))
         if leaf.requires_grad:            # the rerun must save this very parameter
             self.leaf_ids[holder.index] = (id(leaf), ptr)
         # Dropping it frees nothing if it lives on outside the region: an input's storage, a leaf
@@ -111,18 +112,6 @@ class Guards:
         # made inside (dropout's mask): that one frees memory.
         holder.frees_memory = not ((ptr and ptr in self.input_ptrs) or leaf.requires_grad
                                    or (ptr and self.reads.holds_storage(ptr)))
-
-    def after_forward(self, frame: Any, output: Any) -> None:
-        self.inputs_modified_by_fn = input_modified_by_fn(self.reads.inputs)
-        self.reads.after_forward()
-
-    def before_rerun(self, frame: Any) -> None:
-        message = self.inputs_modified_by_fn or self.reads.changed()
-        if message is not None:
-            raise CheckpointError(f"checkpoint {frame.region}: {message}")
-
-    def around_rerun(self, frame: Any) -> ContextManager:
-        return self.reads.around_rerun(frame)
 
     def on_fill(self, frame: Any, task: int, index: int, tensor: torch.Tensor,
                 detached: torch.Tensor, holder: Any) -> None:
@@ -179,22 +168,6 @@ def modified_in_place(index: int, key: tuple, version: int, now: int, node: str 
             "raises here too (\"one of the variables needed for gradient computation has been "
             "modified by an inplace operation\"). Use the out-of-place form of the op that "
             "changed it (h = h * 3 instead of h.mul_(3)), or clone the tensor before changing it.")
-
-
-def input_modified_by_fn(inputs: list[tuple[weakref.ReferenceType, int]]) -> str | None:
-    """After the forward: the message for the first input (weakly kept, with its version at the
-    call) whose version moved, i.e. that the function itself changed in place; ``None`` if none
-    did."""
-    for position, (ref, version) in enumerate(inputs):
-        tensor = ref()
-        if tensor is not None and tensor._version != version:
-            return (f"the checkpointed function itself modified its input tensor #{position} "
-                    f"({TensorMeta.of(tensor)}) in place during the forward pass (version "
-                    f"{version} -> {tensor._version}), so the values the forward started from are "
-                    "gone and the recomputation cannot start from them (plain autograd runs this, "
-                    "as it keeps every activation). Make the function leave its inputs alone: "
-                    "u = u * 2 instead of u.mul_(2), or u = u.clone() as its first line.")
-    return None
 
 
 def replaced_parameter(index: int, meta: TensorMeta) -> str:
@@ -254,11 +227,3 @@ def lost_transform(forward_levels: tuple[int, int | None]) -> str | None:
                 "forward-mode AD.")
     return None
 
-
-def outside_inference_mode() -> ContextManager:
-    """Leave ``torch.inference_mode()`` for the rerun (a backward under it is legal; the rerun must
-    still record a graph)."""
-    return torch.inference_mode(False) if torch.is_inference_mode_enabled() else _NOTHING
-
-
-_NOTHING = contextlib.nullcontext()   # stateless: one for every call

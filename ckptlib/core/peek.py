@@ -52,7 +52,8 @@ class _State(threading.local):
     peek: "_Peek | None" = None
 
 
-_state = _State()
+state = _State()   # ``state.peek``: this thread's open peek_saved (the core reads it at unpack)
+_state = state
 
 
 def peeking() -> "_Peek | None":

@@ -69,6 +69,7 @@ warned about; BatchNorm in eval mode or without running statistics writes nothin
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import warnings
@@ -187,12 +188,29 @@ def _add_tensors(obj: Any, found: list[torch.Tensor], modules_seen: set[int]) ->
             _add_tensors(child, found, modules_seen)
 
 
-class OutsideReads:
-    """The tensors a checkpointed region reads from outside, with their versions (see the notes).
+def input_modified_by_fn(inputs: list[tuple[weakref.ReferenceType, int]]) -> str | None:
+    """After the forward: the message for the first input (weakly kept, with its version at the
+    call) whose version moved, i.e. that the function itself changed in place; ``None`` if none
+    did."""
+    for position, (ref, version) in enumerate(inputs):
+        tensor = ref()
+        if tensor is not None and tensor._version != version:
+            return (f"the checkpointed function itself modified its input tensor #{position} "
+                    f"({TensorMeta.of(tensor)}) in place during the forward pass (version "
+                    f"{version} -> {tensor._version}), so the values the forward started from are "
+                    "gone and the recomputation cannot start from them (plain autograd runs this, "
+                    "as it keeps every activation). Make the function leave its inputs alone: "
+                    "u = u * 2 instead of u.mul_(2), or u = u.clone() as its first line.")
+    return None
 
-    Made before the forward runs; :meth:`after_forward` then sorts what the
-    forward wrote from what it read. :meth:`changed` says, before a rerun, what
-    was modified in place since; :meth:`around_rerun` warns about state a rerun
+
+class OutsideReads:
+    """The tensors a checkpointed region reads from outside, with their versions (see the notes):
+    an observer of the core, made with the guards before the forward runs.
+
+    :meth:`after_forward` sorts what the forward wrote from what it read; :meth:`before_rerun`
+    refuses a rerun of what was modified in place since (:meth:`changed`); :meth:`around_rerun`
+    watches a rerun's reads of the rest, and :meth:`after_rerun` warns about state the rerun
     updated again.
     """
 
@@ -204,15 +222,26 @@ class OutsideReads:
             self.roots = []
         else:
             self.roots = _roots(fn)
-        self.inputs = [(weakref.ref(t), t._version) for t in inputs]
-        reached: list[torch.Tensor] = []
-        modules_seen: set[int] = set()
-        for _, obj in self.roots:
-            _add_tensors(obj, reached, modules_seen)
-        self.read = [(t, t._version) for t in reached]  # read-only until after_forward
+        self.inputs = []   # (weakly, version at the call) of each input
+        for tensor in inputs:
+            self.inputs.append((weakref.ref(tensor), tensor._version))
+        self.read: list[tuple[torch.Tensor, int]] = []   # read-only until after_forward
+        if self.roots:
+            reached: list[torch.Tensor] = []
+            modules_seen: set[int] = set()
+            for _, obj in self.roots:
+                _add_tensors(obj, reached, modules_seen)
+            self.read = [(t, t._version) for t in reached]
         self.written: list[torch.Tensor] = []
+        # leaves (or bases of views) an op saved in forward, weakly, with their versions; the
+        # guards add them at each pack
         self.saved_leaves: list[tuple[weakref.ReferenceType, int]] = []
+        self.inputs_modified_by_fn: str | None = None   # after the forward: why it cannot rerun
         self._storages: set[int] | None = None   # made on first need by holds_storage
+        # one rerun's: the written state's copies, the stale tensors' ids, the mode watching them
+        self._before: list[torch.Tensor] | tuple = ()
+        self._keep: set[int] | frozenset = frozenset()
+        self._watch: _StaleReads | None = None
 
     def holds_storage(self, ptr: int) -> bool:
         """Does a tensor reached from ``fn`` (a parameter, a buffer, a captured tensor) own
@@ -232,12 +261,9 @@ class OutsideReads:
         return ptr in self._storages
 
 
-    def add_saved_leaf(self, leaf: torch.Tensor) -> None:
-        """A leaf (or the base of a view) that an op saved in forward: kept weakly, with its
-        version."""
-        self.saved_leaves.append((weakref.ref(leaf), leaf._version))
-
-    def after_forward(self) -> None:
+    def after_forward(self, frame: Any, output: Any) -> None:
+        """Tell what the forward wrote from what it read; note an input it changed itself."""
+        self.inputs_modified_by_fn = input_modified_by_fn(self.inputs)
         read = []
         for tensor, version in self.read:
             if tensor._version == version:
@@ -245,6 +271,13 @@ class OutsideReads:
             else:
                 self.written.append(tensor)
         self.read = read
+
+    def before_rerun(self, frame: Any) -> None:
+        """Refuse a rerun whose function changed its own input, or that certainly reads a tensor
+        changed since (:meth:`changed`)."""
+        message = self.inputs_modified_by_fn or self.changed()
+        if message is not None:
+            raise CheckpointError(f"checkpoint {frame.region}: {message}")
 
     def changed(self) -> str | None:
         """What the rerun certainly reads that was modified in place since the forward (or the
@@ -262,10 +295,6 @@ class OutsideReads:
             if leaf is not None and leaf._version != version:
                 return self.modified_message(leaf, version)
         return None
-
-    def stale(self) -> list[tuple[torch.Tensor, int]]:
-        """(tensor, version at the forward) for each tensor ``fn`` reaches that changed since."""
-        return [(tensor, version) for tensor, version in self.read if tensor._version != version]
 
     def modified_message(self, tensor: torch.Tensor, version: int) -> str:
         return (f"{self.name_of(tensor)} was modified in place between the forward pass and this "
@@ -308,10 +337,49 @@ class OutsideReads:
             self.saved_leaves = [(ref, leaf._version) for ref, _ in self.saved_leaves
                                  if (leaf := ref()) is not None]
 
-    def around_rerun(self, frame: Any) -> "_StateWatch":
-        """The watch over one rerun of ``frame`` (anything with a ``region``, read only for a
-        message)."""
-        return _StateWatch(self, frame)
+    def around_rerun(self, frame: Any) -> Any:
+        """Before one rerun of ``frame`` (anything with a ``region``, read only for a message):
+        copy the state the forward wrote, and return the mode that refuses a read of a tensor
+        changed since (or a null context when none changed). :meth:`after_rerun` ends it."""
+        written = self.written
+        self._before = [t.clone() for t in written] if written else ()
+        stale = None
+        for tensor, version in self.read:
+            if tensor._version != version:
+                stale = stale or []
+                stale.append((tensor, version))
+        self._keep = {id(tensor) for tensor, _ in stale} if stale else frozenset()
+        self._watch = _StaleReads(self, frame, stale) if stale else None
+        return self._watch if stale else _NOTHING
+
+    def after_rerun(self, frame: Any, error: BaseException | None) -> None:
+        """After a rerun (``error``: what it raised, if anything): the next rerun's baseline; the
+        refusal of a stale read as itself; a warning for state the rerun wrote again."""
+        self.rebaseline(self._keep)
+        watch, self._watch = self._watch, None   # let go of the frame and the copies
+        before, self._before = self._before, ()
+        if watch is not None and watch.message is not None:
+            # Raised from inside an op (a TorchScript interpreter wraps it): raise it as itself.
+            if not (isinstance(error, RuntimeError) and str(error) == watch.message):
+                raise CheckpointError(watch.message) from error
+            return
+        for tensor, copy in zip(self.written, before):
+            if torch.equal(tensor, copy):
+                continue
+            owner, description = self.owner_of(tensor)
+            if owner in _warned:
+                continue
+            _warned.add(owner)
+            warnings.warn(
+                f"checkpoint {frame.region}: the recomputation updated {description} again "
+                "after the forward pass had updated it: a checkpointed region runs twice, so its "
+                "in-place state updates happen twice (BatchNorm's running statistics move twice "
+                "per step; torch.utils.checkpoint does the same). Fixes: checkpoint the layers "
+                "around the module instead of it, put it in eval mode, or put its state back "
+                "during the recomputation (a context_fn that restores the buffers, or a forward "
+                "pre-hook that sets momentum to 0 while ckptlib.is_recomputing(), as in "
+                "notebook 04). Warned once per module.",
+                StateUpdatedTwiceWarning, stacklevel=caller_stacklevel())
 
     def owner_of(self, tensor: torch.Tensor) -> tuple[Any, str]:
         """(module or tensor, description) of the thing that owns written state ``tensor``."""
@@ -361,47 +429,4 @@ class _StaleReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _StateWatch:
-    """Around a rerun: watches reads of tensors changed since the forward; copies the forward's
-    written state and warns if the rerun leaves it changed."""
-
-    __slots__ = ("reads", "frame", "before", "keep", "watch")
-
-    def __init__(self, reads: OutsideReads, frame: Any) -> None:
-        self.reads, self.frame = reads, frame
-
-    def __enter__(self) -> None:
-        written = self.reads.written
-        self.before = [t.clone() for t in written] if written else ()
-        stale = self.reads.stale()
-        self.keep = {id(tensor) for tensor, _ in stale} if stale else frozenset()
-        self.watch = _StaleReads(self.reads, self.frame, stale) if stale else None
-        if self.watch is not None:
-            self.watch.__enter__()
-
-    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        if self.watch is not None:
-            self.watch.__exit__(exc_type, exc, traceback)
-        self.reads.rebaseline(self.keep)
-        if self.watch is not None and self.watch.message is not None:
-            # Raised from inside an op (a TorchScript interpreter wraps it): raise it as itself.
-            if not (isinstance(exc, RuntimeError) and str(exc) == self.watch.message):
-                raise CheckpointError(self.watch.message) from exc
-            return
-        for tensor, before in zip(self.reads.written, self.before):
-            if torch.equal(tensor, before):
-                continue
-            owner, description = self.reads.owner_of(tensor)
-            if owner in _warned:
-                continue
-            _warned.add(owner)
-            warnings.warn(
-                f"checkpoint {self.frame.region}: the recomputation updated {description} again "
-                "after the forward pass had updated it: a checkpointed region runs twice, so its "
-                "in-place state updates happen twice (BatchNorm's running statistics move twice "
-                "per step; torch.utils.checkpoint does the same). Fixes: checkpoint the layers "
-                "around the module instead of it, put it in eval mode, or put its state back "
-                "during the recomputation (a context_fn that restores the buffers, or a forward "
-                "pre-hook that sets momentum to 0 while ckptlib.is_recomputing(), as in "
-                "notebook 04). Warned once per module.",
-                StateUpdatedTwiceWarning, stacklevel=caller_stacklevel())
+_NOTHING = contextlib.nullcontext()   # stateless: one for every call
