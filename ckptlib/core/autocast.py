@@ -12,12 +12,13 @@ from typing import ContextManager
 
 import torch
 
-__all__ = ["state", "contexts"]
+__all__ = ["state", "contexts", "any_enabled"]
 
 _DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 # Is autocast on for any device? One call (on a torch without it: always look at every device).
-_any_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+any_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
+_any_enabled = any_enabled
 
 
 def state() -> tuple[tuple[str, bool, torch.dtype], ...] | None:

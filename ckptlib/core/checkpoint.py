@@ -53,7 +53,7 @@ import torch
 
 from ckptlib import rng
 from ckptlib._arguments import check_checkpoint_arguments, checkpoint_contexts, torch_early_stop
-from ckptlib.core import autocast, guards, inputs, peek, trace
+from ckptlib.core import autocast, guards, inputs, observers, peek, trace
 from ckptlib.core import compile as compile_
 from ckptlib.core.errors import CheckpointError, RecomputeAgain, caller_stacklevel
 from ckptlib.core.keys import TensorMeta, key_mismatch, saved_key
@@ -122,7 +122,7 @@ class Frame:
             if preserve_rng_state else None
         self.rng_after: rng.RNGState | None = None
         self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
-        self.autocast = autocast.state()
+        self.autocast = autocast.state() if autocast.any_enabled() else None
         self.early_stop, self.check_keys = early_stop, check_keys
         self.forward_context, self.recompute_context = contexts   # context_fn was called once
         self.holders: list[weakref.ReferenceType[Holder]] = []
@@ -134,7 +134,7 @@ class Frame:
         observe = getattr(self.forward_context, "observe_saved_tensors", None)   # extension point
         callback = observe() if observe is not None else None
         if callback is not None:
-            self.observers.append(_SavedTensorsCallback(callback))
+            self.observers.append(observers.SavedTensorsCallback(callback))
         if debug or trace.open_traces:
             self.observers.append(trace.Tracer(echo=debug))
         self._hooks()
@@ -144,12 +144,14 @@ class Frame:
         after_rerun = on_unpack = on_release = around_rerun = around_forward = ()
 
     def _hooks(self) -> None:
-        """Bind each named point to the methods of the observers that have one."""
-        observers = self.observers
-        for point, positions in _plan(tuple(map(type, observers))):
+        """Bind each named point to the methods of the observers that have one
+        (``observers.py``: the points, and what each receives)."""
+        watchers = self.observers
+        kinds = tuple(map(type, watchers))
+        for point, positions in observers.PLANS.get(kinds) or observers.plan(kinds):
             hooks = []
             for position in positions:
-                hooks.append(getattr(observers[position], point))
+                hooks.append(getattr(watchers[position], point))
             setattr(self, point, hooks)
 
     @property
@@ -278,15 +280,17 @@ class Frame:
                     f"checkpoint {self.region}: the recomputation saved more tensors than the "
                     f"forward pass did (forward saved {len(keys)}; extra tensor #{index}: "
                     f"{TensorMeta.of(tensor)}). {self.guards.mismatch_causes()}")
+            ptr = None
             if self.check_keys:
-                key = saved_key(tensor, storage_ptr(tensor), rerun_input_ptrs)
+                ptr = storage_ptr(tensor)
+                key = saved_key(tensor, ptr, rerun_input_ptrs)
                 if key != keys[index]:
                     self._refuse(index, tensor, key)
             holder = self.holders[index]()
             if holder is not None:
                 holder.recomputed[task] = detached
             for hook in self.on_fill:
-                hook(self, task, index, tensor, detached, holder)
+                hook(self, task, index, tensor, detached, holder, ptr)
             if self.early_stop and index == last_needed:
                 if guards.may_be_filled_later(keys, index):
                     stop_at_next_pack = True
@@ -301,12 +305,14 @@ class Frame:
         rerun_input_ptrs.update(storage_ptrs(tensors))
         args, kwargs = self.arguments.rebuild(tensors) if self.arguments else (tensors, {})
         random = rng.replay(self.rng) if self.rng is not None else _NOTHING
-        casting = _together(autocast.contexts(self.autocast)) \
-            if self.autocast != autocast.state() else _NOTHING
+        casting = observers.together(autocast.contexts(self.autocast)) \
+            if self.autocast != (autocast.state() if autocast.any_enabled() else None) \
+            else _NOTHING
         leaving_inference = torch.inference_mode(False) if torch.is_inference_mode_enabled() \
             else _NOTHING   # a backward under inference mode is legal; the rerun records a graph
         watches = self.around_rerun
-        watch = watches[0](self) if len(watches) == 1 else _together([w(self) for w in watches])
+        watch = watches[0](self) if len(watches) == 1 \
+            else observers.together([w(self) for w in watches])
         failure = None
         try:
             with torch.autograd.graph.saved_tensors_hooks(fill, _identity), watch:
@@ -372,23 +378,6 @@ class Frame:
             hook(self, task, released)
 
 
-_POINTS = ("on_pack", "after_forward", "before_rerun", "on_recompute", "on_fill", "on_early_stop",
-           "after_rerun", "on_unpack", "on_release", "around_rerun", "around_forward")
-_PLANS: dict[tuple[type, ...], tuple[tuple[str, tuple[int, ...]], ...]] = {}
-
-
-def _plan(kinds: tuple[type, ...]) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(point, positions of the observers that have a method for it), for observers of these
-    classes: looked up once per combination of classes."""
-    plan = _PLANS.get(kinds)
-    if plan is None:
-        plan = _PLANS[kinds] = tuple(
-            (point, positions) for point in _POINTS
-            if (positions := tuple(i for i, kind in enumerate(kinds)
-                                   if callable(getattr(kind, point, None)))))
-    return plan
-
-
 class _ReleaseUnused:
     """Queued on the autograd engine for one backward: ``frame.release`` when it ends.
 
@@ -411,28 +400,8 @@ class _ReleaseUnused:
     __del__ = __call__   # a failed backward drops its callbacks unrun: release then
 
 
-class _SavedTensorsCallback:
-    """Selective checkpointing's ``observe_saved_tensors()`` callback, as an observer."""
-
-    def __init__(self, callback: Callable[[torch.Tensor], None]) -> None:
-        self.callback = callback
-
-    def on_pack(self, frame: Frame, holder: Holder, tensor: torch.Tensor, ptr: int | None) -> None:
-        self.callback(tensor)
-
-
 def _identity(x):
     return x
-
-
-def _together(contexts: list[ContextManager]) -> ContextManager:
-    """Several contexts entered now, as one to exit (nothing to enter: a shared null context)."""
-    if not contexts:
-        return _NOTHING
-    with contextlib.ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context)
-        return stack.pop_all()
 
 
 def checkpoint(
@@ -511,7 +480,7 @@ def checkpoint(
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), \
             frame.forward_context, \
             rng.in_use(frame.rng) if preserve_rng_state else _NOTHING as rng_use, \
-            _together([hook() for hook in frame.around_forward]) if frame.around_forward \
+            observers.together([hook() for hook in frame.around_forward]) if frame.around_forward \
             else _NOTHING:
         try:
             output = fn(*args, **kwargs)

@@ -65,7 +65,7 @@ import torch.autograd.forward_ad as forward_ad
 from ckptlib.core.errors import CheckpointError
 from ckptlib.core.keys import CONSTANT, MISMATCH_CAUSES, TensorMeta
 from ckptlib.core.reads import OutsideReads
-from ckptlib.storage import storage_ptr, storage_ptrs
+from ckptlib.storage import storage_ptrs
 
 __all__ = ["Guards", "modified_in_place", "replaced_parameter",
            "may_be_filled_later", "rerun_input", "transform_levels", "lost_transform"]
@@ -114,10 +114,10 @@ class Guards:
                                    or (ptr and self.reads.holds_storage(ptr)))
 
     def on_fill(self, frame: Any, task: int, index: int, tensor: torch.Tensor,
-                detached: torch.Tensor, holder: Any) -> None:
-        forward_leaf = self.leaf_ids.get(index)
+                detached: torch.Tensor, holder: Any, ptr: int | None) -> None:
+        forward_leaf = self.leaf_ids.get(index)   # ``ptr``: its storage (with keys checked)
         if forward_leaf is not None and frame.check_keys \
-                and forward_leaf[1] != storage_ptr(tensor) \
+                and forward_leaf[1] != ptr \
                 and forward_leaf[0] != id(_leaf_of(tensor)):
             raise CheckpointError(f"checkpoint {frame.region}: "
                                   f"{replaced_parameter(index, frame.meta(index))}")
@@ -188,8 +188,11 @@ def replaced_parameter(index: int, meta: TensorMeta) -> str:
 def may_be_filled_later(keys: list[tuple], index: int) -> bool:
     """Could the op that saved tensor ``index`` still write into a tensor it saved (see the
     notes)?"""
-    return _producer(keys[index]) is CONSTANT \
-        or (index > 0 and _producer(keys[index - 1]) is CONSTANT)
+    key = keys[index]
+    if len(key) > 3 and key[3] is CONSTANT:
+        return True
+    before = keys[index - 1] if index > 0 else ()
+    return len(before) > 3 and before[3] is CONSTANT
 
 
 def rerun_input(tensor: torch.Tensor) -> torch.Tensor:

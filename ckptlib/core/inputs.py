@@ -46,7 +46,10 @@ def save_inputs(tensors: list[torch.Tensor]) -> list:
     """Hand the inputs to autograd as saved tensors (through the active pack hook: nesting);
     each of the returned objects gives its tensor back with ``.unpack()``."""
     if _make_saved_tensor is not None:
-        return [_make_saved_tensor(t, False) for t in tensors]   # (tensor, is_output)
+        saved = []
+        for tensor in tensors:
+            saved.append(_make_saved_tensor(tensor, False))   # (tensor, is_output)
+        return saved
     anchor = torch.empty(0, requires_grad=True)   # older torch: a do-nothing Function saves them
     node = _InputSaver.apply(anchor, *tensors).grad_fn
     return [_SavedByNode(node, i) for i in range(len(tensors))]

@@ -263,7 +263,11 @@ class OutsideReads:
 
     def after_forward(self, frame: Any, output: Any) -> None:
         """Tell what the forward wrote from what it read; note an input it changed itself."""
-        self.inputs_modified_by_fn = input_modified_by_fn(self.inputs)
+        for ref, version in self.inputs:
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                self.inputs_modified_by_fn = input_modified_by_fn(self.inputs)
+                break
         read = []
         for tensor, version in self.read:
             if tensor._version == version:
@@ -324,19 +328,6 @@ class OutsideReads:
         return (f"a tensor the region reads ({meta}, a leaf that "
                 f"{'requires' if tensor.requires_grad else 'does not require'} grad: {kind})")
 
-    def rebaseline(self, keep: set[int] = frozenset()) -> None:
-        """After a rerun: what it wrote is the next rerun's starting point. Tensors in ``keep`` (ids
-        of tensors changed since the forward: the next rerun must still not read them) keep the
-        forward's version."""
-        if keep:
-            self.read = [(tensor, version if id(tensor) in keep else tensor._version)
-                         for tensor, version in self.read]
-        elif self.read:
-            self.read = [(tensor, tensor._version) for tensor, _ in self.read]
-        if self.saved_leaves:
-            self.saved_leaves = [(ref, leaf._version) for ref, _ in self.saved_leaves
-                                 if (leaf := ref()) is not None]
-
     def around_rerun(self, frame: Any) -> Any:
         """Before one rerun of ``frame`` (anything with a ``region``, read only for a message):
         copy the state the forward wrote, and return the mode that refuses a read of a tensor
@@ -355,7 +346,19 @@ class OutsideReads:
     def after_rerun(self, frame: Any, error: BaseException | None) -> None:
         """After a rerun (``error``: what it raised, if anything): the next rerun's baseline; the
         refusal of a stale read as itself; a warning for state the rerun wrote again."""
-        self.rebaseline(self._keep)
+        # what the rerun wrote is the next rerun's starting point; tensors changed since the
+        # forward (``_keep``: the next rerun must still not read them) keep the forward's version
+        keep = self._keep
+        if keep:
+            self.read = [(tensor, version if id(tensor) in keep else tensor._version)
+                         for tensor, version in self.read]
+        elif self.read:
+            self.read = [(tensor, tensor._version) for tensor, _ in self.read]
+        leaves = self.saved_leaves
+        for position, (ref, version) in enumerate(leaves):
+            leaf = ref()
+            if leaf is not None and leaf._version != version:
+                leaves[position] = (ref, leaf._version)
         watch, self._watch = self._watch, None   # let go of the frame and the copies
         before, self._before = self._before, ()
         if watch is not None and watch.message is not None:
