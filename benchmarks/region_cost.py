@@ -29,6 +29,9 @@ one torch thread, this process's CPU time. Costs and ratios come from each varia
 round (timeit's rule: whatever else the machine does only adds time, and every variant gets the
 same chances at a quiet moment, since the rounds interleave them); the median and quartiles of
 the rounds are reported beside them, so a spread wider than a difference says it is noise.
+
+Beside the times: how many ckptlib functions one step runs, and in which files
+(:func:`calls_per_step`; exact, not a timing).
 """
 
 from __future__ import annotations
@@ -199,6 +202,7 @@ def measure(rounds: int) -> dict:
                      for name, values in samples.items()}
         cost = {name: best[name] - best["plain"] for name in names if name != "plain"}
         results[workload] = {
+            "ckptlib_functions_per_step": calls_summary(calls_per_step(fn, x)),
             "best_us_per_step": {name: round(value, 1) for name, value in best.items()},
             "median_us_per_step": {name: round(value, 1) for name, value in median.items()},
             "quartiles_us_per_step": {
@@ -233,6 +237,46 @@ def measure(rounds: int) -> dict:
     }
 
 
+def calls_per_step(fn: Callable, x: torch.Tensor) -> dict[str, dict[str, int]]:
+    """The ckptlib functions one checkpointed training step runs (forward, backward), counted
+    with ``sys.setprofile`` after a warm-up: file -> {function: calls}. Comprehensions count as
+    the functions they are in Python 3.11; C functions and torch's own are not counted."""
+    root = str(Path(ckptlib.__file__).resolve().parent) + "/"
+    counted: dict[str, dict[str, int]] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            calls = counted.setdefault(frame.f_code.co_filename[len(root):], {})
+            name = frame.f_code.co_qualname if hasattr(frame.f_code, "co_qualname") \
+                else frame.f_code.co_name
+            calls[name] = calls.get(name, 0) + 1
+
+    run = lambda fn, x: ckptlib.checkpoint(fn, x)  # noqa: E731  (as shipped: every guard on)
+    for _ in range(3):
+        step(run, fn, x)
+    sys.setprofile(profile)
+    try:
+        step(run, fn, x)
+    finally:
+        sys.setprofile(None)
+    return counted
+
+
+def calls_summary(counted: dict[str, dict[str, int]]) -> dict[str, int]:
+    """Distinct functions and calls in all, and distinct functions per file."""
+    summary = {"distinct functions": sum(map(len, counted.values())),
+               "calls": sum(sum(calls.values()) for calls in counted.values())}
+    for path, calls in sorted(counted.items()):
+        summary[path] = len(calls)
+    return summary
+
+
+def functions_line(summary: dict[str, int]) -> str:
+    per_file = ", ".join(f"{path} {n}" for path, n in summary.items()
+                         if path not in ("distinct functions", "calls"))
+    return f"{summary['distinct functions']} functions, {summary['calls']} calls ({per_file})"
+
+
 def table(result: dict) -> str:
     lines = []
     for workload, numbers in result["workloads"].items():
@@ -252,6 +296,9 @@ def table(result: dict) -> str:
             lines.append(f"    {part:<42} {value:+8.1f} us")
         for name, value in numbers["ratios"].items():
             lines.append(f"  {name:<30} {value:.3f}")
+        if "ckptlib_functions_per_step" in numbers:
+            lines.append("  ckptlib functions per step: "
+                         + functions_line(numbers["ckptlib_functions_per_step"]))
     return "\n".join(lines)
 
 
@@ -293,6 +340,15 @@ def markdown(result: dict) -> str:
             + f" | {ratios['ckptlib cost / torch cost']:.3f} "
             f"| {ratios['floor cost / torch cost']:.3f} |"
         )
+    lines += [
+        "",
+        "ckptlib functions one step runs (distinct functions, calls; distinct per file), counted "
+        "with `sys.setprofile`:",
+        "",
+    ]
+    for workload, numbers in result["workloads"].items():
+        if "ckptlib_functions_per_step" in numbers:
+            lines.append(f"- {workload}: {functions_line(numbers['ckptlib_functions_per_step'])}")
     lines += [
         "",
         "Breakdown of ckptlib's cost per region (us):",

@@ -71,3 +71,15 @@ def test_markdown_goes_between_the_markers_or_says_what_to_add(region_cost, tmp_
     readme.write_text("no markers here\n")
     with pytest.raises(SystemExit, match="region-cost markers"):
         region_cost.write_markdown(readme, result)
+
+
+def test_a_tiny_checkpointed_step_runs_few_ckptlib_functions(region_cost):
+    """The count is exact (not a timing): a change that adds functions to a region's path shows
+    here first. Every guard is on; the region saves one tensor."""
+    counted = region_cost.calls_per_step(torch.sin, torch.randn(4))
+    summary = region_cost.calls_summary(counted)
+    assert "core/checkpoint.py" in counted and "rng.py" in counted   # it saw the core run
+    assert "checkpoint" in counted["core/checkpoint.py"]
+    assert summary["distinct functions"] <= 44, summary
+    assert summary["core/checkpoint.py"] + summary["rng.py"] <= 25, summary
+    assert "core/trace.py" not in counted   # no trace open: the tracer is not on the path
