@@ -50,26 +50,22 @@ import threading
 import types
 import warnings
 from collections.abc import Iterable
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn as nn
 
 
-class RNGState:
+class RNGState(NamedTuple):
     """The generators' states at one moment: always the CPU one, CUDA ones if CUDA is up.
 
-    (A plain class with slots: two are made per checkpoint call.)"""
+    (A named tuple: three are made per checkpoint, with ``_snapshot``, which skips the
+    Python-level ``__new__``.)"""
 
-    __slots__ = ("cpu", "cuda_devices", "cuda_states", "caller_generators")
-
-    def __init__(self, cpu: torch.Tensor, cuda_devices: tuple[int, ...] = (),
-                 cuda_states: tuple[torch.Tensor, ...] = (),
-                 caller_generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()) -> None:
-        self.cpu = cpu
-        self.cuda_devices = cuda_devices
-        self.cuda_states = cuda_states
-        self.caller_generators = caller_generators   # (generator, its state)
+    cpu: torch.Tensor
+    cuda_devices: tuple[int, ...] = ()
+    cuda_states: tuple[torch.Tensor, ...] = ()
+    caller_generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()   # (generator, state)
 
     @property
     def generators(self) -> frozenset:
@@ -83,6 +79,7 @@ class RNGState:
                 f"{len(self.caller_generators)} caller generator(s))")
 
 
+_snapshot = tuple.__new__   # _snapshot(RNGState, (cpu, devices, states, generators))
 _CPU_ONLY = frozenset(["cpu"])
 _NONE: frozenset = frozenset()
 _CPU_GENERATOR = torch.default_generator
@@ -119,7 +116,7 @@ def capture_devices(cuda_devices: tuple[int, ...],
                     generators: Iterable[torch.Generator] = ()) -> RNGState:
     """Snapshot the CPU generator, those of ``cuda_devices`` and the caller's ``generators``."""
     if not cuda_devices and not generators:   # the common case: the CPU generator alone
-        return RNGState(_CPU_GENERATOR.get_state())
+        return _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ()))
     return RNGState(
         _CPU_GENERATOR.get_state(),
         cuda_devices,
@@ -135,7 +132,7 @@ def capture_for(fn: Callable[..., Any], tensors: list[torch.Tensor],
     argument leaves reach (:func:`generators_reachable`)."""
     if type(fn) is types.BuiltinFunctionType and not arguments \
             and not torch.cuda.is_initialized():   # torch.sin on CPU: the CPU generator alone
-        return RNGState(_CPU_GENERATOR.get_state())
+        return _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ()))
     return capture_devices(cuda_devices_of(tensors), generators_reachable(fn, arguments))
 
 
@@ -166,7 +163,7 @@ class replay:
                                           tuple(g for g, _ in state.caller_generators))
             _set_states(state)
         else:   # the common case: the CPU generator alone
-            self.caller = RNGState(_CPU_GENERATOR.get_state())
+            self.caller = _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ()))
             _CPU_GENERATOR.set_state(state.cpu)
         return in_use.__enter__(self)
 
@@ -274,16 +271,20 @@ _GENERATOR = torch.Generator
 
 
 class in_use:
-    """Context manager: register the block as a user of ``state``'s generators (``"cpu"``,
-    ``("cuda", index)``); ``overlapped`` collects those another thread registered for
-    while it ran. (A class, not a generator function: it runs twice per checkpoint.)"""
+    """Context manager around a region's forward: register it as a user of ``state``'s generators
+    (``"cpu"``, ``("cuda", index)``); ``overlapped`` collects those another thread registered
+    for while it ran, and ``after`` is the state the forward left (read on exit, in the
+    forward's own thread: did the region draw at all?). (A class, not a generator function: it
+    runs at every checkpoint; a :class:`replay` registers the same way.)"""
 
-    __slots__ = ("generators", "thread", "overlapped")
+    __slots__ = ("generators", "thread", "overlapped", "cuda_devices", "after")
 
     def __init__(self, state: RNGState) -> None:
+        self.cuda_devices = state.cuda_devices
         self.generators = _CPU_ONLY if not state.cuda_devices else state.generators
         self.thread = threading.get_ident()
         self.overlapped: frozenset = _NONE   # a new set only when another thread overlaps
+        self.after: RNGState | None = None
 
     def __enter__(self: Any) -> Any:   # also a replay's registration
         with _users_lock:
@@ -298,6 +299,8 @@ class in_use:
     def __exit__(self, *exc_info: object) -> None:
         with _users_lock:
             _users.remove(self)
+        self.after = _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ())) \
+            if not self.cuda_devices else capture_devices(self.cuda_devices)
 
 
 _users_lock = threading.Lock()

@@ -179,7 +179,7 @@ class Frame:
 
     def forward_done(self, output: Any, rng_use: rng.in_use | None) -> None:
         if rng_use is not None:   # what the forward left: did this region draw at all?
-            self.rng_after = rng.capture_devices(self.rng.cuda_devices)
+            self.rng_after = rng_use.after
             self.rng_overlap = rng_use.overlapped
         if not self.keys:   # nothing saved, so nothing will be recomputed: let the inputs go
             self.saved_inputs = None
@@ -305,22 +305,29 @@ class Frame:
         rerun_input_ptrs.update(storage_ptrs(tensors))
         args, kwargs = self.arguments.rebuild(tensors) if self.arguments else (tensors, {})
         random = rng.replay(self.rng) if self.rng is not None else _NOTHING
-        casting = observers.together(autocast.contexts(self.autocast)) \
-            if self.autocast != (autocast.state() if autocast.any_enabled() else None) \
-            else _NOTHING
-        leaving_inference = torch.inference_mode(False) if torch.is_inference_mode_enabled() \
-            else _NOTHING   # a backward under inference mode is legal; the rerun records a graph
-        watches = self.around_rerun
-        watch = watches[0](self) if len(watches) == 1 \
-            else observers.together([w(self) for w in watches])
+        # What else the rerun runs under, each only where it is needed (the common case: none):
+        # the observers' watches, inference mode left (a backward under it is legal; the rerun
+        # records a graph), the forward's autocast state where backward's differs, context_fn's.
+        contexts = []
+        for watch in self.around_rerun:
+            context = watch(self)
+            if context is not None:
+                contexts.append(context)
+        if torch.is_inference_mode_enabled():
+            contexts.append(torch.inference_mode(False))
+        if self.autocast != (autocast.state() if autocast.any_enabled() else None):
+            contexts.extend(autocast.contexts(self.autocast))
+        if self.recompute_context is not _NOTHING:
+            contexts.append(self.recompute_context)
+        others = observers.one_context(contexts) if contexts else _NOTHING
         failure = None
         try:
-            with torch.autograd.graph.saved_tensors_hooks(fill, _identity), watch:
+            with torch.autograd.graph.saved_tensors_hooks(fill, _identity):
                 _thread.recompute_depth += 1
                 grad_was = torch.is_grad_enabled()   # off in backward: the rerun records a graph
                 torch._C._set_grad_enabled(True)
                 try:
-                    with random, leaving_inference, casting, self.recompute_context:
+                    with random, others:
                         try:
                             self.fn(*args, **kwargs)
                         except StopRecomputation:   # caught here: the contexts exit normally
@@ -477,11 +484,12 @@ def checkpoint(
     foreign_draws = rng.ForeignDraws.first_time(fn) if preserve_rng_state else None
     cuda_was_up = torch.cuda.is_initialized()
     returned = False
+    around = [frame.forward_context] if frame.forward_context is not _NOTHING else []
+    for hook in frame.around_forward:   # the observers' (the trace's)
+        around.append(hook())
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), \
-            frame.forward_context, \
             rng.in_use(frame.rng) if preserve_rng_state else _NOTHING as rng_use, \
-            observers.together([hook() for hook in frame.around_forward]) if frame.around_forward \
-            else _NOTHING:
+            observers.one_context(around) if around else _NOTHING:
         try:
             output = fn(*args, **kwargs)
             returned = True

@@ -14,7 +14,7 @@ point              when, and what else it receives                          who 
 ``before_rerun``   first unpack of a backward, before anything reruns      reads
 ``on_recompute``   the rerun starts: ``trigger`` (the holder that asked),  trace
                    ``needed`` (holders alive), ``again`` (a second run)
-``around_rerun``   entered around the rerun: returns a context             reads
+``around_rerun``   entered around the rerun: returns a context, or None    reads
 ``on_fill``        each tensor the rerun saves: ``task, index, tensor,     guards
                    detached, holder, ptr``
 ``on_early_stop``  the rerun stops at ``index``                            trace
@@ -37,7 +37,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-__all__ = ["POINTS", "plan", "PLANS", "together", "SavedTensorsCallback"]
+__all__ = ["POINTS", "plan", "PLANS", "one_context", "AllOf", "SavedTensorsCallback"]
 
 POINTS = ("on_pack", "after_forward", "before_rerun", "on_recompute", "on_fill", "on_early_stop",
           "after_rerun", "on_unpack", "on_release", "around_rerun", "around_forward")
@@ -67,14 +67,31 @@ class SavedTensorsCallback:
         self.callback(tensor)
 
 
+class AllOf:
+    """Several contexts as one: entered in order at ``__enter__``, exited in reverse (each sees the
+    exception, as in one ``with a, b:``). The frame uses it only where there are two or more."""
+
+    __slots__ = ("contexts", "stack")
+
+    def __init__(self, contexts: list[ContextManager]) -> None:
+        self.contexts = contexts
+
+    def __enter__(self) -> None:
+        with contextlib.ExitStack() as stack:
+            for context in self.contexts:
+                stack.enter_context(context)
+            self.stack = stack.pop_all()
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        return self.stack.__exit__(*exc_info)
+
+
 _NOTHING = contextlib.nullcontext()   # stateless: one for every call
 
 
-def together(contexts: list[ContextManager]) -> ContextManager:
-    """Several contexts entered now, as one to exit (nothing to enter: a shared null context)."""
+def one_context(contexts: list[ContextManager]) -> ContextManager:
+    """``contexts`` as one context to enter: a shared null context for none, the context itself
+    for one, :class:`AllOf` for more."""
     if not contexts:
         return _NOTHING
-    with contextlib.ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context)
-        return stack.pop_all()
+    return contexts[0] if len(contexts) == 1 else AllOf(contexts)

@@ -69,7 +69,6 @@ warned about; BatchNorm in eval mode or without running statistics writes nothin
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
 import warnings
@@ -209,7 +208,7 @@ class OutsideReads:
     an observer of the core, made with the guards before the forward runs.
 
     :meth:`after_forward` sorts what the forward wrote from what it read; :meth:`before_rerun`
-    refuses a rerun of what was modified in place since (:meth:`changed`); :meth:`around_rerun`
+    refuses a rerun of what was modified in place since; :meth:`around_rerun`
     watches a rerun's reads of the rest, and :meth:`after_rerun` warns about state the rerun
     updated again.
     """
@@ -277,28 +276,23 @@ class OutsideReads:
         self.read = read
 
     def before_rerun(self, frame: Any) -> None:
-        """Refuse a rerun whose function changed its own input, or that certainly reads a tensor
-        changed since (:meth:`changed`)."""
-        message = self.inputs_modified_by_fn or self.changed()
-        if message is not None:
-            raise CheckpointError(f"checkpoint {frame.region}: {message}")
-
-    def changed(self) -> str | None:
-        """What the rerun certainly reads that was modified in place since the forward (or the
-        last rerun), or ``None``: an input, or a leaf an op saved. (The other tensors ``fn`` reaches
-        are watched during the rerun: :meth:`around_rerun`.)"""
+        """Refuse a rerun whose function changed its own input, or that certainly reads something
+        modified in place since the forward (or the last rerun): an input, or a leaf an op saved.
+        (The other tensors ``fn`` reaches are watched during the rerun: :meth:`around_rerun`.)"""
+        message = self.inputs_modified_by_fn
         for position, (ref, version) in enumerate(self.inputs):
             tensor = ref()
-            if tensor is not None and tensor._version != version:
-                return (f"input tensor #{position} ({TensorMeta.of(tensor)}) was modified in place "
-                        f"after the checkpointed forward (version {version} -> {tensor._version}); "
-                        "recomputing from it would give wrong activations. Clone the input before "
-                        "modifying it, or modify a copy.")
+            if message is None and tensor is not None and tensor._version != version:
+                message = (f"input tensor #{position} ({TensorMeta.of(tensor)}) was modified in "
+                           f"place after the checkpointed forward (version {version} -> "
+                           f"{tensor._version}); recomputing from it would give wrong activations. "
+                           "Clone the input before modifying it, or modify a copy.")
         for ref, version in self.saved_leaves:
             leaf = ref()
-            if leaf is not None and leaf._version != version:
-                return self.modified_message(leaf, version)
-        return None
+            if message is None and leaf is not None and leaf._version != version:
+                message = self.modified_message(leaf, version)
+        if message is not None:
+            raise CheckpointError(f"checkpoint {frame.region}: {message}")
 
     def modified_message(self, tensor: torch.Tensor, version: int) -> str:
         return (f"{self.name_of(tensor)} was modified in place between the forward pass and this "
@@ -331,7 +325,7 @@ class OutsideReads:
     def around_rerun(self, frame: Any) -> Any:
         """Before one rerun of ``frame`` (anything with a ``region``, read only for a message):
         copy the state the forward wrote, and return the mode that refuses a read of a tensor
-        changed since (or a null context when none changed). :meth:`after_rerun` ends it."""
+        changed since (``None`` when none changed). :meth:`after_rerun` ends it."""
         written = self.written
         self._before = [t.clone() for t in written] if written else ()
         stale = None
@@ -341,7 +335,7 @@ class OutsideReads:
                 stale.append((tensor, version))
         self._keep = {id(tensor) for tensor, _ in stale} if stale else frozenset()
         self._watch = _StaleReads(self, frame, stale) if stale else None
-        return self._watch if stale else _NOTHING
+        return self._watch   # None: nothing to watch
 
     def after_rerun(self, frame: Any, error: BaseException | None) -> None:
         """After a rerun (``error``: what it raised, if anything): the next rerun's baseline; the
@@ -431,5 +425,3 @@ class _StaleReads(TorchDispatchMode):
                         raise CheckpointError(self.message)
         return func(*args, **(kwargs or {}))
 
-
-_NOTHING = contextlib.nullcontext()   # stateless: one for every call
