@@ -53,7 +53,7 @@ import torch
 
 from ckptlib import rng
 from ckptlib._arguments import check_checkpoint_arguments, checkpoint_contexts, torch_early_stop
-from ckptlib.core import autocast, guards, inputs, observers, peek, trace
+from ckptlib.core import autocast, errors, guards, inputs, observers, peek, trace
 from ckptlib.core import compile as compile_
 from ckptlib.core.errors import CheckpointError, RecomputeAgain, caller_stacklevel
 from ckptlib.core.keys import TensorMeta, key_mismatch, saved_key
@@ -201,11 +201,7 @@ class Frame:
             tensor = holder.recomputed.get(task, _USED)
             if tensor is _USED:
                 raise CheckpointError(
-                    f"checkpoint {self.region}: saved tensor #{holder.index} "
-                    f"({self.meta(holder.index)}) was unpacked twice in one backward pass. Each "
-                    "recomputed tensor is handed out once and then released. If a custom "
-                    "autograd.Function reads ctx.saved_tensors more than once in backward, read "
-                    "it once into a local variable.")
+                    errors.unpacked_twice(self.region, holder.index, self.meta(holder.index)))
             for hook in self.on_unpack:
                 hook(self, task, holder, tensor)
             holder.recomputed[task] = _USED   # handed over: forgotten (step 5)
@@ -242,9 +238,7 @@ class Frame:
                 self.rerun(task, last_needed)
             except RecomputeAgain:
                 self.release(task)
-                raise CheckpointError(
-                    f"checkpoint {self.region}: the recompute context asked for a second "
-                    "recomputation, then for a third; giving up.") from None
+                raise CheckpointError(errors.asked_again_twice(self.region)) from None
 
     def rerun(self, task: int, last_needed: int) -> None:
         """Run ``fn`` again under ``fill``, the second pack hook (steps 2 to 4)."""
@@ -276,10 +270,9 @@ class Frame:
             else:
                 detached = tensor.detach()
             if index >= len(keys):
-                raise CheckpointError(
-                    f"checkpoint {self.region}: the recomputation saved more tensors than the "
-                    f"forward pass did (forward saved {len(keys)}; extra tensor #{index}: "
-                    f"{TensorMeta.of(tensor)}). {self.guards.mismatch_causes()}")
+                raise CheckpointError(errors.saved_more(self.region, len(keys), index,
+                                                        TensorMeta.of(tensor),
+                                                        self.guards.mismatch_causes()))
             ptr = None
             if self.check_keys:
                 ptr = storage_ptr(tensor)
@@ -360,9 +353,8 @@ class Frame:
                                                     [random])
         if shared or count <= last_needed:
             self.release(task)
-            raise CheckpointError(f"checkpoint {self.region}: " + (shared or (
-                f"the recomputation saved fewer tensors than the forward pass did (forward saved "
-                f"{len(keys)}, recomputation {count}). {self.guards.mismatch_causes()}")))
+            raise CheckpointError(f"checkpoint {self.region}: " + (shared or errors.saved_fewer(
+                len(keys), count, self.guards.mismatch_causes())))
 
     def _refuse(self, index: int, tensor: torch.Tensor, key: tuple) -> None:
         """The rerun's ``index``-th saved tensor is not the forward's: ask again, or raise."""
@@ -497,19 +489,11 @@ def checkpoint(
             failure = error   # kept for the message below, should the forward context swallow it
             raise
     if not returned:
-        raise RuntimeError(
-            f"checkpoint {frame.region}: the forward context from context_fn suppressed the "
-            f"exception the checkpointed function raised ({type(failure).__name__}: {failure}), so "
-            "there is no output to return. Let the context's __exit__ return None or False (do "
-            "not swallow exceptions), or catch the exception inside the function.") from failure
+        raise RuntimeError(errors.context_swallowed(frame.region, failure)) from failure
     if foreign_draws is not None:
         foreign_draws.warn_if_moved(frame.region, stacklevel=caller_stacklevel() + 1)
     if preserve_rng_state and not cuda_was_up and torch.cuda.is_initialized():
-        raise CheckpointError(
-            f"checkpoint {frame.region}: CUDA was initialised inside the checkpointed function, so "
-            "its RNG state could not be saved for the recomputation. Initialise CUDA before "
-            "checkpointing (e.g. torch.cuda.init(), or move the model to the GPU first), or pass "
-            "preserve_rng_state=False.")
+        raise CheckpointError(errors.cuda_initialised_inside(frame.region))
     frame.forward_done(output, rng_use)
     return output
 

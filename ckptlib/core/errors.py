@@ -1,4 +1,5 @@
-"""What a user sees when a checkpoint goes wrong: its exceptions, and the line its warnings name."""
+"""What a user sees when a checkpoint goes wrong: its exceptions, the core's messages, the line its
+warnings name. (The guards' messages are in ``guards.py`` and ``reads.py``, beside their checks.)"""
 from __future__ import annotations
 
 import contextlib
@@ -7,7 +8,9 @@ import sys
 
 import torch
 
-__all__ = ["CheckpointError", "RecomputeAgain", "caller_stacklevel"]
+__all__ = ["CheckpointError", "RecomputeAgain", "caller_stacklevel", "unpacked_twice",
+           "asked_again_twice", "saved_more", "saved_fewer", "context_swallowed",
+           "cuda_initialised_inside"]
 
 
 class CheckpointError(RuntimeError):
@@ -34,3 +37,41 @@ def caller_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         frame, level = frame.f_back, level + 1
     return level
+
+
+# The core's messages (``checkpoint.py``): each names what differed and what to do.
+
+def unpacked_twice(region: object, index: int, meta: object) -> str:
+    return (f"checkpoint {region}: saved tensor #{index} ({meta}) was unpacked twice in one "
+            "backward pass. Each recomputed tensor is handed out once and then released. If a "
+            "custom autograd.Function reads ctx.saved_tensors more than once in backward, read it "
+            "once into a local variable.")
+
+
+def asked_again_twice(region: object) -> str:
+    return (f"checkpoint {region}: the recompute context asked for a second recomputation, then "
+            "for a third; giving up.")
+
+
+def saved_more(region: object, forward_count: int, index: int, meta: object, causes: str) -> str:
+    return (f"checkpoint {region}: the recomputation saved more tensors than the forward pass did "
+            f"(forward saved {forward_count}; extra tensor #{index}: {meta}). {causes}")
+
+
+def saved_fewer(forward_count: int, count: int, causes: str) -> str:
+    return (f"the recomputation saved fewer tensors than the forward pass did (forward saved "
+            f"{forward_count}, recomputation {count}). {causes}")
+
+
+def context_swallowed(region: object, failure: BaseException) -> str:
+    return (f"checkpoint {region}: the forward context from context_fn suppressed the exception "
+            f"the checkpointed function raised ({type(failure).__name__}: {failure}), so there is "
+            "no output to return. Let the context's __exit__ return None or False (do not swallow "
+            "exceptions), or catch the exception inside the function.")
+
+
+def cuda_initialised_inside(region: object) -> str:
+    return (f"checkpoint {region}: CUDA was initialised inside the checkpointed function, so its "
+            "RNG state could not be saved for the recomputation. Initialise CUDA before "
+            "checkpointing (e.g. torch.cuda.init(), or move the model to the GPU first), or pass "
+            "preserve_rng_state=False.")
