@@ -16,7 +16,11 @@ This file reads in the order of notebook 03:
    forward, so dropout draws the same mask.
 4. Early stop: ``fill`` raises :class:`StopRecomputation` as soon as the last holder backward
    can still ask for is filled; ops after it would only make tensors nobody needs.
-5. One use, then gone: an unpack hands its tensor over and forgets it. What a backward did
+5. One use, then gone: an unpack hands its tensor over and forgets it. It first checks the
+   tensor's version, as autograd checks a saved tensor's (saved-tensor hooks switch that off):
+   an in-place op of the rerun that changed it after an op saved it (``h = a.exp();
+   h.mul_(3)``) is refused, as plain autograd refuses it. (Not for tensors that live on outside
+   the region, which free no memory: a recompute context may put a buffer back.) What a backward did
    not use (``torch.autograd.grad`` on a subset) is dropped by ``release``, queued on the
    autograd engine for that backward (run when it ends, or when a failed one drops it).
 
@@ -27,8 +31,8 @@ too (nesting, also with ``torch.utils.checkpoint`` on either side).
 
 Observers. At named points the frame calls its observers' methods: ``on_pack``,
 ``after_forward``, ``before_rerun``, ``on_recompute``, ``on_fill``, ``on_early_stop``,
-``after_rerun``, ``on_unpack``, ``on_release``, and enters their ``around_forward()`` /
-``around_rerun()``.
+``after_rerun``, ``on_unpack``, ``on_release``; it enters what ``around_forward()`` returns
+around the forward and what ``before_rerun`` returns around the rerun.
 They never change what is computed. :class:`~ckptlib.core.guards.Guards` is always there (what a
 rerun must reproduce beyond the keys: versions of what it reads, replaced parameters, in-place
 changes); :class:`~ckptlib.core.trace.Tracer` while a trace is recorded; selective
@@ -80,7 +84,7 @@ class Holder:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        # backward pass (graph task id) -> its recomputed tensor
+        # backward pass (graph task id) -> (its recomputed tensor, that tensor's version then)
         self.recomputed: dict[int, Any] = {}
         self.unpack_count = 0
         self.frees_memory = True   # set by the guards: False for inputs, parameters, views of them
@@ -141,7 +145,7 @@ class Frame:
 
     # The named points: each holds the bound methods of the observers that have one.
     on_pack = after_forward = before_rerun = on_recompute = on_fill = on_early_stop = \
-        after_rerun = on_unpack = on_release = around_rerun = around_forward = ()
+        after_rerun = on_unpack = on_release = around_forward = ()
 
     def _hooks(self) -> None:
         """Bind each named point to the methods of the observers that have one
@@ -198,10 +202,16 @@ class Frame:
         try:
             if task not in self.recomputed_in:
                 self.recompute(task, holder.index)
-            tensor = holder.recomputed.get(task, _USED)
-            if tensor is _USED:
+            entry = holder.recomputed.get(task, _USED)
+            if entry is _USED:
                 raise CheckpointError(
                     errors.unpacked_twice(self.region, holder.index, self.meta(holder.index)))
+            tensor, version = entry
+            if version >= 0 and tensor._version != version:   # changed since its rerun saved it
+                self.release(task)
+                raise CheckpointError(f"checkpoint {self.region}: " + guards.modified_in_place(
+                    holder.index, self.keys[holder.index], version, tensor._version,
+                    self.node_name()))
             for hook in self.on_unpack:
                 hook(self, task, holder, tensor)
             holder.recomputed[task] = _USED   # handed over: forgotten (step 5)
@@ -215,33 +225,37 @@ class Frame:
         if trace.open_traces and not any(isinstance(o, trace.Tracer) for o in self.observers):
             self.observers.append(trace.Tracer(echo=False))   # a trace opened after the forward
             self._hooks()
-        for hook in self.before_rerun:
-            hook(self)
         alive = 0   # holders backward can still ask for, and the last of them
         last_needed = -1
-        for index, ref in enumerate(self.holders):
-            if ref() is not None:
-                alive += 1
-                last_needed = index
-        for hook in self.on_recompute:
-            hook(self, trigger, alive, False)
-        self.recomputed_in.add(task)
-        self.recompute_count += 1
-        if task >= 0:
-            torch.autograd.Variable._execution_engine.queue_callback(_ReleaseUnused(self, task))
-        try:
-            self.rerun(task, last_needed)
-        except RecomputeAgain:   # selective checkpointing: a skipped result was needed after all
+        for again in (False, True):   # a second run only if the recompute context asks for it
+            watches = []   # the observers' contexts for this run (each may refuse it instead)
+            for hook in self.before_rerun:
+                watch = hook(self)
+                if watch is not None:
+                    watches.append(watch)
+            if not again:
+                for index, ref in enumerate(self.holders):
+                    if ref() is not None:
+                        alive += 1
+                        last_needed = index
             for hook in self.on_recompute:
-                hook(self, trigger, alive, True)
+                hook(self, trigger, alive, again)
+            if not again:
+                self.recomputed_in.add(task)
+                self.recompute_count += 1
+                if task >= 0:
+                    torch.autograd.Variable._execution_engine.queue_callback(
+                        _ReleaseUnused(self, task))
             try:
-                self.rerun(task, last_needed)
-            except RecomputeAgain:
-                self.release(task)
-                raise CheckpointError(errors.asked_again_twice(self.region)) from None
+                return self.rerun(task, last_needed, watches)
+            except RecomputeAgain:   # selective checkpointing: a skipped result was needed
+                if again:
+                    self.release(task)
+                    raise CheckpointError(errors.asked_again_twice(self.region)) from None
 
-    def rerun(self, task: int, last_needed: int) -> None:
-        """Run ``fn`` again under ``fill``, the second pack hook (steps 2 to 4)."""
+    def rerun(self, task: int, last_needed: int, watches: list) -> None:
+        """Run ``fn`` again under ``fill``, the second pack hook (steps 2 to 4), and under
+        ``watches`` (the contexts ``before_rerun`` gave)."""
         keys = self.keys
         count = 0                   # tensors the rerun saved so far
         rerun_input_ptrs: set[int] = set()
@@ -280,8 +294,9 @@ class Frame:
                 if key != keys[index]:
                     self._refuse(index, tensor, key)
             holder = self.holders[index]()
-            if holder is not None:
-                holder.recomputed[task] = detached
+            if holder is not None:   # with its version, as autograd keeps a saved tensor's
+                holder.recomputed[task] = (detached, detached._version if holder.frees_memory
+                                           else -1)
             for hook in self.on_fill:
                 hook(self, task, index, tensor, detached, holder, ptr)
             if self.early_stop and index == last_needed:
@@ -301,11 +316,7 @@ class Frame:
         # What else the rerun runs under, each only where it is needed (the common case: none):
         # the observers' watches, inference mode left (a backward under it is legal; the rerun
         # records a graph), the forward's autocast state where backward's differs, context_fn's.
-        contexts = []
-        for watch in self.around_rerun:
-            context = watch(self)
-            if context is not None:
-                contexts.append(context)
+        contexts = watches
         if torch.is_inference_mode_enabled():
             contexts.append(torch.inference_mode(False))
         if self.autocast != (autocast.state() if autocast.any_enabled() else None):

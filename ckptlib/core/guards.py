@@ -13,10 +13,9 @@ wrong gradient. The core (``ckptlib/core/checkpoint.py``) compares each saved te
   and whether dropping the tensor frees memory at all;
 * its ``reads`` (``reads.py``), a second observer: ``after_forward`` tells what the forward
   wrote (BatchNorm's statistics) from what it read and notes an input the function changed
-  itself; ``before_rerun`` compares the versions of what the rerun certainly reads;
-  ``around_rerun`` watches the rest it may read; ``after_rerun`` warns about state written twice;
-* ``on_fill``: the rerun saved the same parameter; a recomputed tensor's version;
-* ``on_unpack``: that version again, as autograd would check it.
+  itself; ``before_rerun`` compares the versions of what the rerun certainly reads and returns
+  the watch over the rest it may read; ``after_rerun`` warns about state written twice;
+* ``on_fill``: the rerun saved the same parameter.
 
 A rerun can differ from its forward in ways keys and versions miss. Each case below is either
 made right or refused with its cause, where ``torch.utils.checkpoint`` is silent or names another
@@ -25,10 +24,11 @@ cause.
 In-place changes inside the region. Saved-tensor hooks switch off autograd's own version check
 (a saved tensor's version at its save against its version at its use), and a recomputed tensor
 is a detached alias of the rerun's tensor: in ``h = a.exp(); h.mul_(3); h.sin()`` the rerun's
-``mul_`` changes what ``exp`` saved. So each recomputed tensor keeps its version at the rerun's
-pack, and its unpack refuses a changed one (:func:`modified_in_place`), as plain autograd would.
-Tensors that live on outside the region (inputs, parameters, buffers) are left out: a recompute
-context may put a buffer back after the rerun.
+``mul_`` changes what ``exp`` saved. So the core keeps each recomputed tensor with its version at
+the rerun's pack, and its unpack refuses a changed one (the message: :func:`modified_in_place`),
+as plain autograd would: autograd's own check, put back where autograd does it. Tensors that
+live on outside the region (inputs, parameters, buffers; the guards' ``on_pack`` tells them by
+``holder.frees_memory``) are left out: a recompute context may put a buffer back after the rerun.
 
 A function that changes its own input (``u.mul_(2)``) destroys the values the rerun would start
 from. Plain autograd keeps every activation and does not mind; a checkpoint cannot recompute, and
@@ -95,8 +95,6 @@ class Guards:
         # rerun must save the same tensor or the same storage: FSDP2 gathers a parameter anew (same
         # tensor, new storage); the rerun's inputs are detached (new tensor, same storage).
         self.leaf_ids: dict[int, tuple[int, int | None]] = {}
-        # (task, index) -> a recomputed tensor's version
-        self.versions: dict[tuple[int, int], int] = {}
 
     def on_pack(self, frame: Any, holder: Any, tensor: torch.Tensor, ptr: int | None) -> None:
         leaf = tensor if tensor.is_leaf else tensor._base   # a parameter, ``weight.t()``
@@ -121,28 +119,6 @@ class Guards:
                 and forward_leaf[0] != id(_leaf_of(tensor)):
             raise CheckpointError(f"checkpoint {frame.region}: "
                                   f"{replaced_parameter(index, frame.meta(index))}")
-        # Not for what lives on outside the region (an input, a parameter, a buffer): a recompute
-        # context may put a buffer back after the rerun.
-        if holder is not None and holder.frees_memory:
-            self.versions[task, index] = detached._version
-
-    def on_unpack(self, frame: Any, task: int, holder: Any, tensor: torch.Tensor) -> None:
-        """Refuse a recomputed tensor an in-place op of the rerun changed after its save.
-
-        Saved-tensor hooks switch off autograd's own check (a saved tensor's version at its save
-        against its version at its use), and a recomputed tensor is a detached alias of the rerun's
-        tensor: ``h = a.exp(); h.mul_(3)`` changes it after ``exp`` saved it.
-        """
-        version = self.versions.pop((task, holder.index), None)
-        if version is not None and tensor._version != version:
-            frame.release(task)
-            raise CheckpointError(f"checkpoint {frame.region}: " + modified_in_place(
-                holder.index, frame.keys[holder.index], version, tensor._version,
-                frame.node_name()))
-
-    def on_release(self, frame: Any, task: int, released: int) -> None:
-        if self.versions:
-            self.versions = {key: v for key, v in self.versions.items() if key[0] != task}
 
     def mismatch_causes(self) -> str:
         """The likely causes of a rerun that saved other tensors, for the core's messages."""

@@ -11,16 +11,17 @@ point              when, and what else it receives                          who 
 ``on_pack``        each tensor autograd saves: ``holder, tensor, ptr``     guards, trace,
                    (``ptr``: its storage)                                   selective's callback
 ``after_forward``  the forward returned: ``output``                        reads, trace
-``before_rerun``   first unpack of a backward, before anything reruns      reads
+``before_rerun``   first unpack of a backward, before each run of the      reads
+                   rerun: may refuse, and returns a context to run it
+                   under (or None)
 ``on_recompute``   the rerun starts: ``trigger`` (the holder that asked),  trace
                    ``needed`` (holders alive), ``again`` (a second run)
-``around_rerun``   entered around the rerun: returns a context, or None    reads
 ``on_fill``        each tensor the rerun saves: ``task, index, tensor,     guards
                    detached, holder, ptr``
 ``on_early_stop``  the rerun stops at ``index``                            trace
 ``after_rerun``    the rerun ended: ``error`` (what it raised, or None)    reads
-``on_unpack``      backward takes a tensor: ``task, holder, tensor``       guards, trace
-``on_release``     a backward's unused tensors dropped: ``task, released``  guards, trace
+``on_unpack``      backward takes a tensor: ``task, holder, tensor``       trace
+``on_release``     a backward's unused tensors dropped: ``task, released``  trace
 =================  ======================================================  ====================
 
 (guards: :class:`~ckptlib.core.guards.Guards`; reads: its
@@ -40,7 +41,7 @@ import torch
 __all__ = ["POINTS", "plan", "PLANS", "one_context", "AllOf", "SavedTensorsCallback"]
 
 POINTS = ("on_pack", "after_forward", "before_rerun", "on_recompute", "on_fill", "on_early_stop",
-          "after_rerun", "on_unpack", "on_release", "around_rerun", "around_forward")
+          "after_rerun", "on_unpack", "on_release", "around_forward")
 # observer classes -> (point, positions of the observers that have a method for it)
 PLANS: dict[tuple[type, ...], tuple[tuple[str, tuple[int, ...]], ...]] = {}
 

@@ -208,8 +208,8 @@ class OutsideReads:
     an observer of the core, made with the guards before the forward runs.
 
     :meth:`after_forward` sorts what the forward wrote from what it read; :meth:`before_rerun`
-    refuses a rerun of what was modified in place since; :meth:`around_rerun`
-    watches a rerun's reads of the rest, and :meth:`after_rerun` warns about state the rerun
+    refuses a rerun of what was modified in place since;  it also returns the
+    watch over the rerun's reads of the rest, and :meth:`after_rerun` warns about state the rerun
     updated again.
     """
 
@@ -275,10 +275,12 @@ class OutsideReads:
                 self.written.append(tensor)
         self.read = read
 
-    def before_rerun(self, frame: Any) -> None:
+    def before_rerun(self, frame: Any) -> Any:
         """Refuse a rerun whose function changed its own input, or that certainly reads something
         modified in place since the forward (or the last rerun): an input, or a leaf an op saved.
-        (The other tensors ``fn`` reaches are watched during the rerun: :meth:`around_rerun`.)"""
+        The other tensors ``fn`` reaches are watched during the rerun: the returned context (or
+        ``None``) refuses the first op that reads one changed since; :meth:`after_rerun` ends it.
+        (``frame``: anything with a ``region``, read only for messages.)"""
         message = self.inputs_modified_by_fn
         for position, (ref, version) in enumerate(self.inputs):
             tensor = ref()
@@ -293,6 +295,18 @@ class OutsideReads:
                 message = self.modified_message(leaf, version)
         if message is not None:
             raise CheckpointError(f"checkpoint {frame.region}: {message}")
+        # Then the watch over this rerun: copies of the state the forward wrote, and the mode that
+        # refuses a read of a tensor changed since (None when none changed: nothing to enter).
+        written = self.written
+        self._before = [t.clone() for t in written] if written else ()
+        stale = None
+        for tensor, version in self.read:
+            if tensor._version != version:
+                stale = stale or []
+                stale.append((tensor, version))
+        self._keep = {id(tensor) for tensor, _ in stale} if stale else frozenset()
+        self._watch = _StaleReads(self, frame, stale) if stale else None
+        return self._watch
 
     def modified_message(self, tensor: torch.Tensor, version: int) -> str:
         return (f"{self.name_of(tensor)} was modified in place between the forward pass and this "
@@ -321,21 +335,6 @@ class OutsideReads:
         kind = "a parameter" if tensor.requires_grad else "a constant"
         return (f"a tensor the region reads ({meta}, a leaf that "
                 f"{'requires' if tensor.requires_grad else 'does not require'} grad: {kind})")
-
-    def around_rerun(self, frame: Any) -> Any:
-        """Before one rerun of ``frame`` (anything with a ``region``, read only for a message):
-        copy the state the forward wrote, and return the mode that refuses a read of a tensor
-        changed since (``None`` when none changed). :meth:`after_rerun` ends it."""
-        written = self.written
-        self._before = [t.clone() for t in written] if written else ()
-        stale = None
-        for tensor, version in self.read:
-            if tensor._version != version:
-                stale = stale or []
-                stale.append((tensor, version))
-        self._keep = {id(tensor) for tensor, _ in stale} if stale else frozenset()
-        self._watch = _StaleReads(self, frame, stale) if stale else None
-        return self._watch   # None: nothing to watch
 
     def after_rerun(self, frame: Any, error: BaseException | None) -> None:
         """After a rerun (``error``: what it raised, if anything): the next rerun's baseline; the
