@@ -25,12 +25,10 @@ import contextlib
 import inspect
 import math
 import numbers
-import sys
 from typing import Any, Callable, ContextManager
 
 __all__ = ["got", "integer", "number", "flag", "flags", "function", "qualname",
-           "check_not_reentrant", "check_checkpoint_arguments", "checkpoint_contexts",
-           "torch_early_stop"]
+           "check_not_reentrant", "check_checkpoint_arguments", "checkpoint_contexts"]
 
 
 def got(value: Any) -> str:
@@ -229,11 +227,3 @@ def checkpoint_contexts(
                         "(forward_context, recompute_context), e.g. lambda: "
                         f"(contextlib.nullcontext(), my_context()); it returned {shown}.")
     return contexts[0], contexts[1]
-
-
-def torch_early_stop(early_stop: bool) -> bool:
-    """``early_stop``, unless ``torch.utils.checkpoint.set_checkpoint_early_stop(...)`` is active
-    (torch's meaning)."""
-    torch_checkpoint = sys.modules.get("torch.utils.checkpoint")
-    override = getattr(torch_checkpoint, "_enable_checkpoint_early_stop", None)
-    return early_stop if override is None else override

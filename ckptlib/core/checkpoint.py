@@ -49,14 +49,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 import threading
 import weakref
 from typing import Any, Callable, ContextManager
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from ckptlib import rng
-from ckptlib._arguments import check_checkpoint_arguments, checkpoint_contexts, torch_early_stop
+from ckptlib._arguments import check_checkpoint_arguments, checkpoint_contexts
 from ckptlib.core import autocast, errors, guards, inputs, observers, peek, trace
 from ckptlib.core import compile as compile_
 from ckptlib.core.errors import CheckpointError, RecomputeAgain, caller_stacklevel
@@ -262,54 +264,55 @@ class Frame:
         stop_at_next_pack = False   # the last needed tensor is an op's buffer, filled after saving
         stopped = False             # StopRecomputation was raised (it may come out wrapped)
 
-        def stop(index: int) -> None:
-            nonlocal stopped
+        def fill(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal count, stop_at_next_pack, stopped
+            if stop_at_next_pack:   # the buffer next to the last needed tensor is filled by now
+                index = last_needed
+            else:
+                index = count
+                count += 1
+                if not tensor.requires_grad:
+                    detached = tensor
+                elif type(tensor) is torch.Tensor and _dispatch_modes():
+                    with _NO_PYTHON_DISPATCH():   # a plain detach, not through the mode (~15 us)
+                        detached = tensor.detach()
+                else:
+                    detached = tensor.detach()
+                if index >= len(keys):
+                    raise CheckpointError(errors.saved_more(self.region, len(keys), index,
+                                                            TensorMeta.of(tensor),
+                                                            self.guards.mismatch_causes()))
+                ptr = None
+                if self.check_keys:
+                    ptr = storage_ptr(tensor)
+                    key = saved_key(tensor, ptr, rerun_input_ptrs)
+                    if key != keys[index]:
+                        self._refuse(index, tensor, key)
+                holder = self.holders[index]()
+                if holder is not None:   # with its version, as autograd keeps a saved tensor's
+                    holder.recomputed[task] = (detached, detached._version if holder.frees_memory
+                                               else -1)
+                for hook in self.on_fill:
+                    hook(self, task, index, tensor, detached, holder, ptr)
+                if not self.early_stop or index != last_needed:
+                    return detached
+                if guards.may_be_filled_later(keys, index):
+                    stop_at_next_pack = True
+                    return detached
+            # Early stop (step 4): every tensor backward can still ask for is back.
             if index + 1 < len(keys):
                 for hook in self.on_early_stop:
                     hook(self, index)
             stopped = True
             raise StopRecomputation
 
-        def fill(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal count, stop_at_next_pack
-            if stop_at_next_pack:
-                stop(last_needed)
-            index = count
-            count += 1
-            if not tensor.requires_grad:
-                detached = tensor
-            elif type(tensor) is torch.Tensor and _dispatch_modes():
-                with _NO_PYTHON_DISPATCH():   # a plain detach, not through the mode (~15 us)
-                    detached = tensor.detach()
-            else:
-                detached = tensor.detach()
-            if index >= len(keys):
-                raise CheckpointError(errors.saved_more(self.region, len(keys), index,
-                                                        TensorMeta.of(tensor),
-                                                        self.guards.mismatch_causes()))
-            ptr = None
-            if self.check_keys:
-                ptr = storage_ptr(tensor)
-                key = saved_key(tensor, ptr, rerun_input_ptrs)
-                if key != keys[index]:
-                    self._refuse(index, tensor, key)
-            holder = self.holders[index]()
-            if holder is not None:   # with its version, as autograd keeps a saved tensor's
-                holder.recomputed[task] = (detached, detached._version if holder.frees_memory
-                                           else -1)
-            for hook in self.on_fill:
-                hook(self, task, index, tensor, detached, holder, ptr)
-            if self.early_stop and index == last_needed:
-                if guards.may_be_filled_later(keys, index):
-                    stop_at_next_pack = True
-                else:
-                    stop(index)
-            return detached
-
         tensors = []
         for saved in self.saved_inputs:
             tensor = saved.unpack()
-            tensors.append(guards.rerun_input(tensor) if tensor.requires_grad else tensor)
+            if tensor.requires_grad:   # detached from the forward's graph (guards.rerun_input)
+                tensor = tensor.detach().requires_grad_() if forward_ad._current_level < 0 \
+                    else guards.rerun_input(tensor)   # under forward-mode AD: with its tangent
+            tensors.append(tensor)
         rerun_input_ptrs.update(storage_ptrs(tensors))
         args, kwargs = self.arguments.rebuild(tensors) if self.arguments else (tensors, {})
         random = rng.replay(self.rng) if self.rng is not None else _NOTHING
@@ -482,7 +485,10 @@ def checkpoint(
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     contexts = checkpoint_contexts(context_fn) if context_fn is not None else _NO_CONTEXTS
-    frame = Frame(fn, args, kwargs, preserve_rng_state, torch_early_stop(early_stop), contexts,
+    override = getattr(sys.modules.get("torch.utils.checkpoint"), "_enable_checkpoint_early_stop",
+                       None)   # torch.utils.checkpoint.set_checkpoint_early_stop(...), as in torch
+    frame = Frame(fn, args, kwargs, preserve_rng_state,
+                  early_stop if override is None else override, contexts,
                   debug, check_keys=determinism_check == "default")
     foreign_draws = rng.ForeignDraws.first_time(fn) if preserve_rng_state else None
     cuda_was_up = torch.cuda.is_initialized()
