@@ -190,8 +190,13 @@ def _measure_bytes(model: nn.Module, example_inputs: Any,
     inputs: dict[str, dict[int, int]] = {path: {} for path, _ in candidates}
     outputs: dict[str, set[int]] = {path: set() for path, _ in candidates}
     active: list[str] = []
+    # Every tensor met is kept alive until the counting ends: a storage pointer names one tensor
+    # only while it lives (a freed activation's memory is soon another tensor's), and the plan
+    # must be the same on every run, whatever the allocator reuses.
+    alive: list[Any] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
+        alive.append(tensor)
         pointer = storage_ptr(tensor)
         if pointer is not None and pointer not in state:
             saved[pointer] = nbytes = tensor.untyped_storage().nbytes()
@@ -202,6 +207,7 @@ def _measure_bytes(model: nn.Module, example_inputs: Any,
     def before(path: str):
         def hook(module, args, kwargs):
             active.append(path)
+            alive.append((args, kwargs))
             inputs[path].update((p, n) for p, n in _storages((args, kwargs)).items()
                                 if p not in state)
         return hook
@@ -209,12 +215,13 @@ def _measure_bytes(model: nn.Module, example_inputs: Any,
     def after(path: str):
         def hook(module, args, kwargs, output):
             active.pop()
+            alive.append(output)
             outputs[path].update(_storages(output))
         return hook
 
     with (_hooks(candidates, before, after),
           torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
-        _call(model, example_inputs)
+        alive.append(_call(model, example_inputs))
     dropped = {path: sum(n for p, n in made[path].items() if p not in outputs[path])
                for path in made}
     kept = {path: sum(inputs[path].values()) for path in inputs}
@@ -225,6 +232,7 @@ def _measure_bytes(model: nn.Module, example_inputs: Any,
             numbers.setdefault(pointer, len(numbers))
     unsaved = {path: frozenset((numbers[p], n) for p, n in inputs[path].items() if p not in saved)
                for path in inputs}
+    alive.clear()
     return sum(saved.values()), dropped, kept, unsaved
 
 
