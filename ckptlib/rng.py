@@ -383,9 +383,7 @@ class ForeignDraws:
     @staticmethod
     def first_time(fn: Callable[..., Any]) -> "ForeignDraws | None":
         """A ``ForeignDraws`` taken now, on the first call of ``fn``; ``None`` on later calls."""
-        kind = type(fn)   # the common cases inline (this runs at every checkpoint call)
-        code = fn.__code__ if kind is types.FunctionType else kind if kind is \
-            types.BuiltinFunctionType else _code_of(fn)
+        code = _code_of(fn)
         if id(code) in _checked_functions:
             return None
         _checked_functions[id(code)] = code

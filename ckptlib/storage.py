@@ -33,16 +33,9 @@ def storage_ptr(tensor: torch.Tensor) -> int | None:
 
 
 def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
-    """The storage pointers of ``tensors`` (those without memory left out): :func:`storage_ptr`
-    of each, in one loop (this runs twice per checkpoint)."""
-    ptrs = set()
-    for tensor in tensors:
-        try:
-            ptr = tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
-            continue
-        if ptr:
-            ptrs.add(ptr)
+    """The storage pointers of ``tensors`` (those without memory left out)."""
+    ptrs = set(map(storage_ptr, tensors))
+    ptrs.discard(None)
     return ptrs
 
 

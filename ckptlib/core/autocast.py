@@ -18,12 +18,11 @@ _DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 # Is autocast on for any device? One call (on a torch without it: always look at every device).
 any_enabled = getattr(torch._C, "_is_any_autocast_enabled", lambda: True)
-_any_enabled = any_enabled
 
 
 def state() -> tuple[tuple[str, bool, torch.dtype], ...] | None:
     """(device, enabled, dtype) for each device; ``None`` while autocast is off everywhere."""
-    if not _any_enabled():
+    if not any_enabled():
         return None
     return tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
                  for device in _DEVICES)

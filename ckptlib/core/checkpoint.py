@@ -55,7 +55,6 @@ import weakref
 from typing import Any, Callable, ContextManager
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 
 from ckptlib import rng
 from ckptlib._arguments import check_checkpoint_arguments, checkpoint_contexts
@@ -115,13 +114,17 @@ class Frame:
                  early_stop: bool, contexts: tuple[ContextManager, ContextManager], debug: bool,
                  check_keys: bool) -> None:
         self.fn, self.number = fn, next(_region_numbers)
-        self.arguments: inputs.Arguments | None = None
-        tensors = list(args)   # the common case, tensors only: the inputs are the arguments
-        for arg in args if not kwargs else (None,):
-            if not isinstance(arg, torch.Tensor):   # anything else: the arguments as a pytree
-                self.arguments = inputs.Arguments(args, kwargs)
-                tensors = self.arguments.tensors
+        tensors_only = not kwargs
+        for arg in args:
+            if not isinstance(arg, torch.Tensor):
+                tensors_only = False
                 break
+        if tensors_only:   # the common case: the inputs are the arguments, no pytree
+            self.arguments: inputs.Arguments | None = None
+            tensors = list(args)
+        else:
+            self.arguments = inputs.Arguments(args, kwargs)
+            tensors = self.arguments.tensors
         self.saved_inputs: list | None = inputs.save_inputs(tensors)   # each with .unpack()
         self.input_ptrs = storage_ptrs(tensors)
         self.rng = rng.capture_for(fn, tensors, self.arguments.leaves if self.arguments else ()) \
@@ -309,10 +312,7 @@ class Frame:
         tensors = []
         for saved in self.saved_inputs:
             tensor = saved.unpack()
-            if tensor.requires_grad:   # detached from the forward's graph (guards.rerun_input)
-                tensor = tensor.detach().requires_grad_() if forward_ad._current_level < 0 \
-                    else guards.rerun_input(tensor)   # under forward-mode AD: with its tangent
-            tensors.append(tensor)
+            tensors.append(guards.rerun_input(tensor) if tensor.requires_grad else tensor)
         rerun_input_ptrs.update(storage_ptrs(tensors))
         args, kwargs = self.arguments.rebuild(tensors) if self.arguments else (tensors, {})
         random = rng.replay(self.rng) if self.rng is not None else _NOTHING
@@ -326,7 +326,7 @@ class Frame:
             contexts.extend(autocast.contexts(self.autocast))
         if self.recompute_context is not _NOTHING:
             contexts.append(self.recompute_context)
-        others = observers.one_context(contexts) if contexts else _NOTHING
+        others = observers.one_context(contexts) if contexts else _NOTHING   # none: the common case
         failure = None
         try:
             with torch.autograd.graph.saved_tensors_hooks(fill, _identity):

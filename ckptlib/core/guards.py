@@ -97,8 +97,8 @@ class Guards:
         self.leaf_ids: dict[int, tuple[int, int | None]] = {}
 
     def on_pack(self, frame: Any, holder: Any, tensor: torch.Tensor, ptr: int | None) -> None:
-        leaf = tensor if tensor.is_leaf else tensor._base   # a parameter, ``weight.t()``
-        if leaf is None or not leaf.is_leaf:
+        leaf = _leaf_of(tensor)   # a parameter, ``weight.t()``
+        if leaf is None:
             holder.frees_memory = not (ptr and ptr in self.input_ptrs)
             return
         # its version is checked before a rerun (kept weakly)

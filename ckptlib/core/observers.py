@@ -87,12 +87,7 @@ class AllOf:
         return self.stack.__exit__(*exc_info)
 
 
-_NOTHING = contextlib.nullcontext()   # stateless: one for every call
-
-
 def one_context(contexts: list[ContextManager]) -> ContextManager:
-    """``contexts`` as one context to enter: a shared null context for none, the context itself
-    for one, :class:`AllOf` for more."""
-    if not contexts:
-        return _NOTHING
+    """One or more ``contexts`` as one context to enter: the context itself for one, :class:`AllOf`
+    for more. (The frame enters nothing at all where there are none.)"""
     return contexts[0] if len(contexts) == 1 else AllOf(contexts)

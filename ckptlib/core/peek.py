@@ -53,12 +53,11 @@ class _State(threading.local):
 
 
 state = _State()   # ``state.peek``: this thread's open peek_saved (the core reads it at unpack)
-_state = state
 
 
 def peeking() -> "_Peek | None":
     """The open :func:`peek_saved` of this thread, or ``None``."""
-    return _state.peek
+    return state.peek
 
 
 @contextlib.contextmanager
@@ -79,9 +78,9 @@ def peek_saved() -> Iterator[_Peek]:
     >>> saved.device.type, info.index, info.recompute_count
     ('meta', 0, 0)
     """
-    previous = _state.peek
-    _state.peek = _Peek()
+    previous = state.peek
+    state.peek = _Peek()
     try:
-        yield _state.peek
+        yield state.peek
     finally:
-        _state.peek = previous
+        state.peek = previous
