@@ -1,10 +1,11 @@
 """Two DDP ranks on this machine for the clinic's DDP case (notebook 10): gloo over 127.0.0.1.
 
 The ranks are fresh processes (``torch.multiprocessing``, start method "spawn"): forking a
-Jupyter kernel that has already run torch can hang the children. A spawned process cannot
-receive a function defined in the notebook, so each variant travels as its source text: a
-function ``run_block(block, x)`` (any name) that runs ``block`` on ``x``, written with
-``torch``, ``nn``, ``F``, ``ckptlib`` and ``torch_checkpoint`` only.
+Jupyter kernel that has already run torch can hang the children. They meet through a file in a
+temporary folder (``FileStore``), not a TCP port: no port to find free, no store server thread.
+A spawned process cannot receive a function defined in the notebook, so each variant travels as
+its source text: a function ``run_block(block, x)`` (any name) that runs ``block`` on ``x``,
+written with ``torch``, ``nn``, ``F``, ``ckptlib`` and ``torch_checkpoint`` only.
 
 For example ``run_ddp({"plain": plain_block, "mine": my_block})``, with functions defined in the
 notebook, gives ``[rank 0's results, rank 1's]``, each ``{"plain": [gradients], "mine": ...}``
@@ -16,7 +17,7 @@ import contextlib
 import datetime
 import inspect
 import os
-import socket
+import sys
 import tempfile
 import textwrap
 import time
@@ -69,16 +70,11 @@ def _compiled(source: str) -> Callable:
     return defined[0]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _worker(rank: int, port: int, variants: dict[str, str], out_dir: str) -> None:
+def _worker(rank: int, variants: dict[str, str], out_dir: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "store"),
+                            rank=rank,
                             world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     results: dict[str, object] = {}
@@ -96,6 +92,12 @@ def _worker(rank: int, port: int, variants: dict[str, str], out_dir: str) -> Non
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+    # The results are on disk and the group is gone: leave without the interpreter's teardown.
+    # There, with a TCP store, 3 runs in 120 had a rank abort after every line above had run
+    # ("terminate called without an active exception": a C++ thread torch had not joined).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager
@@ -118,7 +120,7 @@ def run_ddp(variants: dict[str, Callable | str], timeout_s: float = 120) -> list
     sentence}."""
     sources = {name: source_of(fn) for name, fn in variants.items()}
     with tempfile.TemporaryDirectory() as out_dir, _quiet_ranks():
-        ranks = mp.start_processes(_worker, args=(_free_port(), sources, out_dir),
+        ranks = mp.start_processes(_worker, args=(sources, out_dir),
                                    nprocs=WORLD_SIZE, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not ranks.join(timeout=1):
