@@ -74,8 +74,7 @@ def _worker(rank: int, variants: dict[str, str], out_dir: str) -> None:
     warnings.simplefilter("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + os.path.join(out_dir, "store"),
-                            rank=rank,
-                            world_size=WORLD_SIZE,
+                            rank=rank, world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     results: dict[str, object] = {}
     try:
