@@ -92,19 +92,22 @@ def floor_checkpoint(fn: Callable[..., Any], *args: torch.Tensor) -> Any:
 
 
 class _NoGuards:
-    """A guards observer that checks nothing (``ckptlib, hooks only`` and ``+ RNG``, ``+ keys``)."""
+    """Guards that check nothing (``ckptlib, hooks only`` and ``+ RNG``, ``+ keys``): the core
+    still calls them, so the guards row counts what the checks do, not the calls."""
 
     def __init__(self, fn: Any, inputs: list[torch.Tensor], *rest: Any) -> None:
-        self.reads = _NO_READS   # an observer with no methods, as the guards' reads
+        self.reads = self   # and reads that watch nothing
+
+    def on_pack(self, *args: Any) -> None:
+        pass
+
+    on_fill = after_forward = after_rerun = before_rerun = on_pack
 
     def mismatch_causes(self) -> str:
         return ""
 
     def lost_transform(self) -> None:
         return None
-
-
-_NO_READS = object()
 
 
 @contextlib.contextmanager

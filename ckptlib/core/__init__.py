@@ -1,7 +1,8 @@
 """The mechanism: a hook-based, non-reentrant checkpoint, read in this order.
 
 - ``checkpoint.py``: Holder, Frame (pack, unpack, recompute, rerun with ``fill``, release) and
-  ``checkpoint()``, in the names and order of notebook 03; it calls its observers at named points;
+  ``checkpoint()``, in the names and order of notebook 03; it calls its guards by name and its
+  other observers (``observers.py``) at the same named points;
 - ``inputs.py`` and ``autocast.py``: how the frame keeps its arguments for the rerun, and the
   forward's autocast state it reruns under;
 - ``guards.py``: the observer that refuses a rerun which would differ from its forward, with

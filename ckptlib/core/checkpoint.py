@@ -29,16 +29,17 @@ then a second backward recomputes once more. The inputs are kept as autograd sav
 (``inputs.py``): inside an outer checkpoint they pass through its pack hook and are dropped
 too (nesting, also with ``torch.utils.checkpoint`` on either side).
 
-Observers. At named points the frame calls its observers' methods: ``on_pack``,
-``after_forward``, ``before_rerun``, ``on_recompute``, ``on_fill``, ``on_early_stop``,
-``after_rerun``, ``on_unpack``, ``on_release``; it enters what ``around_forward()`` returns
-around the forward and what ``before_rerun`` returns around the rerun.
-They never change what is computed. :class:`~ckptlib.core.guards.Guards` is always there (what a
-rerun must reproduce beyond the keys: versions of what it reads, replaced parameters, in-place
-changes); :class:`~ckptlib.core.trace.Tracer` while a trace is recorded; selective
-checkpointing's forward context when it has ``observe_saved_tensors()``. Inspection
-(``peek.py``) answers unpacks without recomputing; ``compile.py`` makes ``checkpoint`` run
-eagerly under ``torch.compile``.
+Guards and observers. The guards (``guards.py``: what a rerun must reproduce beyond the keys,
+and its ``reads``, ``reads.py``: versions of what the region reads) are always there and called
+by name where they check: ``self.guards.on_pack``, ``self.reads.before_rerun`` and so on. At the
+same named points (``on_pack``, ``after_forward``, ``before_rerun``, ``on_recompute``,
+``on_fill``, ``on_early_stop``, ``after_rerun``, ``on_unpack``, ``on_release``) the frame calls
+its other observers, when it has any: :class:`~ckptlib.core.trace.Tracer` while a trace is
+recorded, selective checkpointing's forward context when it has ``observe_saved_tensors()``. It
+enters what ``around_forward()`` returns around the forward and what ``before_rerun`` returns
+around the rerun. None of them changes what is computed (a guard may refuse, by raising).
+Inspection (``peek.py``) answers unpacks without recomputing; ``compile.py`` makes
+``checkpoint`` run eagerly under ``torch.compile``.
 
 Extension points (selective checkpointing uses them). ``context_fn`` gives a forward and a
 recompute context, as in ``torch.utils.checkpoint``. The recompute context may raise
@@ -74,6 +75,10 @@ _NOTHING = contextlib.nullcontext()       # stateless: one for every call
 _NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 _dispatch_modes = torch._C._len_torch_dispatch_stack   # Python dispatch modes now active
 _NO_CONTEXTS = (_NOTHING, _NOTHING)   # no context_fn: stateless, shared
+# What `with torch.autograd.graph.saved_tensors_hooks(pack, unpack):` does, as two calls (its
+# Python-level object costs more than they do, twice per region).
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
 _DETERMINISM_CHECKS = ("default", "none")
 _USED = object()   # a holder's entry once its tensor was handed to backward
 
@@ -138,17 +143,21 @@ class Frame:
         self.keys: list[tuple] = []   # the key of each saved tensor, in pack order
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
-        self.guards = guards.Guards(fn, tensors, self.input_ptrs)
-        self.observers: list[Any] = [self.guards, self.guards.reads]   # and what fn reads
-        observe = getattr(self.forward_context, "observe_saved_tensors", None)   # extension point
-        callback = observe() if observe is not None else None
-        if callback is not None:
-            self.observers.append(observers.SavedTensorsCallback(callback))
+        self.guards = guards.Guards(fn, tensors, self.input_ptrs)   # called by name, always
+        self.reads = self.guards.reads   # what fn reads from outside, and its versions
+        self.observers: list[Any] = []   # the others, called at the named points
+        if self.forward_context is not _NOTHING:   # extension point: selective checkpointing's
+            observe = getattr(self.forward_context, "observe_saved_tensors", None)
+            callback = observe() if observe is not None else None
+            if callback is not None:
+                self.observers.append(observers.SavedTensorsCallback(callback))
         if debug or trace.open_traces:
             self.observers.append(trace.Tracer(echo=debug))
-        self._hooks()
+        if self.observers:
+            self._hooks()
 
-    # The named points: each holds the bound methods of the observers that have one.
+    # The named points: each holds the bound methods of the observers that have one (the
+    # common case: no observers, nothing to call).
     on_pack = after_forward = before_rerun = on_recompute = on_fill = on_early_stop = \
         after_rerun = on_unpack = on_release = around_forward = ()
 
@@ -182,6 +191,7 @@ class Frame:
         self.holders.append(weakref.ref(holder))
         ptr = storage_ptr(tensor)
         self.keys.append(saved_key(tensor, ptr, self.input_ptrs))
+        self.guards.on_pack(self, holder, tensor, ptr)
         for hook in self.on_pack:
             hook(self, holder, tensor, ptr)
         return holder
@@ -192,6 +202,7 @@ class Frame:
             self.rng_overlap = rng_use.overlapped
         if not self.keys:   # nothing saved, so nothing will be recomputed: let the inputs go
             self.saved_inputs = None
+        self.reads.after_forward(self, output)
         for hook in self.after_forward:
             hook(self, output)
 
@@ -233,7 +244,9 @@ class Frame:
         alive = 0   # holders backward can still ask for, and the last of them
         last_needed = -1
         for again in (False, True):   # a second run only if the recompute context asks for it
-            watches = []   # the observers' contexts for this run (each may refuse it instead)
+            # the contexts to run it under, from the reads and the observers (each may refuse it)
+            watch = self.reads.before_rerun(self)
+            watches = [watch] if watch is not None else []
             for hook in self.before_rerun:
                 watch = hook(self)
                 if watch is not None:
@@ -295,6 +308,7 @@ class Frame:
                 if holder is not None:   # with its version, as autograd keeps a saved tensor's
                     holder.recomputed[task] = (detached, detached._version if holder.frees_memory
                                                else -1)
+                self.guards.on_fill(self, task, index, tensor, detached, holder, ptr)
                 for hook in self.on_fill:
                     hook(self, task, index, tensor, detached, holder, ptr)
                 if not self.early_stop or index != last_needed:
@@ -315,36 +329,38 @@ class Frame:
             tensors.append(guards.rerun_input(tensor) if tensor.requires_grad else tensor)
         rerun_input_ptrs.update(storage_ptrs(tensors))
         args, kwargs = self.arguments.rebuild(tensors) if self.arguments else (tensors, {})
-        random = rng.replay(self.rng) if self.rng is not None else _NOTHING
-        # What else the rerun runs under, each only where it is needed (the common case: none):
-        # the observers' watches, inference mode left (a backward under it is legal; the rerun
-        # records a graph), the forward's autocast state where backward's differs, context_fn's.
-        contexts = watches
+        # What the rerun runs under, each only where it is needed (the common case: the replay
+        # alone): the forward's random numbers, the watches, inference mode left (a backward
+        # under it is legal; the rerun records a graph), the forward's autocast state where
+        # backward's differs, context_fn's.
+        random = rng.replay(self.rng) if self.rng is not None else None
+        contexts = [random, *watches] if random is not None else watches
         if torch.is_inference_mode_enabled():
             contexts.append(torch.inference_mode(False))
         if self.autocast != (autocast.state() if autocast.any_enabled() else None):
             contexts.extend(autocast.contexts(self.autocast))
         if self.recompute_context is not _NOTHING:
             contexts.append(self.recompute_context)
-        others = observers.one_context(contexts) if contexts else _NOTHING   # none: the common case
         failure = None
         try:
-            with torch.autograd.graph.saved_tensors_hooks(fill, _identity):
-                _thread.recompute_depth += 1
-                grad_was = torch.is_grad_enabled()   # off in backward: the rerun records a graph
-                torch._C._set_grad_enabled(True)
-                try:
-                    with random, others:
-                        try:
-                            self.fn(*args, **kwargs)
-                        except StopRecomputation:   # caught here: the contexts exit normally
-                            pass
-                finally:
-                    torch._C._set_grad_enabled(grad_was)
-                    _thread.recompute_depth -= 1
+            _push_hooks(fill, _identity)   # with saved_tensors_hooks(fill, _identity):
+            _thread.recompute_depth += 1
+            grad_was = torch.is_grad_enabled()   # off in backward: the rerun records a graph
+            torch._C._set_grad_enabled(True)
+            try:
+                with observers.one_context(contexts) if contexts else _NOTHING:
+                    try:
+                        self.fn(*args, **kwargs)
+                    except StopRecomputation:   # caught here: the contexts exit normally
+                        pass
+            finally:
+                torch._C._set_grad_enabled(grad_was)
+                _thread.recompute_depth -= 1
+                _pop_hooks()
         except BaseException as error:
             failure = error
         try:
+            self.reads.after_rerun(self, failure)
             for hook in self.after_rerun:
                 hook(self, failure)
         except BaseException as refusal:   # an observer's refusal takes the failure's place
@@ -362,7 +378,7 @@ class Frame:
         if isinstance(failure, RecomputeAgain):
             raise failure
         shared = None
-        if self.rng is not None and (self.rng_overlap or random.overlapped):
+        if random is not None and (self.rng_overlap or random.overlapped):
             shared = rng.shared_with_another_thread(self.rng, self.rng_after, self.rng_overlap,
                                                     [random])
         if shared or count <= last_needed:
@@ -493,18 +509,25 @@ def checkpoint(
     foreign_draws = rng.ForeignDraws.first_time(fn) if preserve_rng_state else None
     cuda_was_up = torch.cuda.is_initialized()
     returned = False
-    around = [frame.forward_context] if frame.forward_context is not _NOTHING else []
-    for hook in frame.around_forward:   # the observers' (the trace's)
-        around.append(hook())
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), \
-            rng.in_use(frame.rng) if preserve_rng_state else _NOTHING as rng_use, \
-            observers.one_context(around) if around else _NOTHING:
-        try:
-            output = fn(*args, **kwargs)
-            returned = True
-        except BaseException as error:
-            failure = error   # kept for the message below, should the forward context swallow it
-            raise
+    # The forward runs under: this region's registration as a user of its generators (threads,
+    # rng.py), context_fn's forward context, the observers' (the trace's).
+    rng_use = rng.in_use(frame.rng) if frame.rng is not None else None
+    contexts = [rng_use] if rng_use is not None else []
+    if frame.forward_context is not _NOTHING:
+        contexts.append(frame.forward_context)
+    for hook in frame.around_forward:
+        contexts.append(hook())
+    _push_hooks(frame.pack, frame.unpack)   # with saved_tensors_hooks(frame.pack, frame.unpack):
+    try:
+        with observers.one_context(contexts) if contexts else _NOTHING:
+            try:
+                output = fn(*args, **kwargs)
+                returned = True
+            except BaseException as error:
+                failure = error   # kept for the message below, should a forward context swallow it
+                raise
+    finally:
+        _pop_hooks()
     if not returned:
         raise RuntimeError(errors.context_swallowed(frame.region, failure)) from failure
     if foreign_draws is not None:

@@ -7,7 +7,8 @@ A rerun gives the right gradients only if it computes the values the forward com
 values were dropped (that is the point), so they cannot be compared. What is cheap to keep is
 compared instead, and every check errs towards a loud ``CheckpointError`` rather than a silently
 wrong gradient. The core (``ckptlib/core/checkpoint.py``) compares each saved tensor's key
-(``keys.py``); :class:`Guards` is the observer it calls at its named points for the rest:
+(``keys.py``); :class:`Guards` is the observer it always has, called by name at its named
+points, for the rest:
 
 * ``on_pack``: a saved leaf (a parameter, ``weight.t()``) is noted with its version and identity,
   and whether dropping the tensor frees memory at all;

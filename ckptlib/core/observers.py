@@ -2,7 +2,9 @@
 
 An observer is any object with some of these methods; the frame (``checkpoint.py``) calls each
 at its point, in the order the observers were added, and an observer never changes what is
-computed (it may refuse, by raising). Every point receives the frame first.
+computed (it may refuse, by raising). Every point receives the frame first. The guards and their
+reads have these methods too and are always there: the frame calls them by name, before the
+others, so a frame without other observers (the common case) binds nothing.
 
 =================  ======================================================  ====================
 point              when, and what else it receives                          who has it
