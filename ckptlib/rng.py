@@ -136,47 +136,6 @@ def capture_for(fn: Callable[..., Any], tensors: list[torch.Tensor],
     return capture_devices(cuda_devices_of(tensors), generators_reachable(fn, arguments))
 
 
-class replay:
-    """Context manager: run the block with the generators set to ``state``; put the caller's
-    back afterwards (what ``torch.random.fork_rng`` does, for just these generators).
-
-    A replay is itself the block's :class:`in_use` registration (see the notes on threads):
-    ``overlapped`` says which generators another thread used while it ran. (A class, not a
-    generator function: it runs at every rerun; the CPU generator alone takes no loop.)
-    """
-
-    __slots__ = ("state", "caller", "generators", "thread", "overlapped")
-
-    def __init__(self, state: RNGState) -> None:
-        if type(state) is not RNGState:
-            raise TypeError("replay: state must be an RNGState from rng.capture(...), got "
-                            f"{type(state).__name__}.")
-        self.state = state
-        self.generators = _CPU_ONLY if not state.cuda_devices else state.generators
-        self.thread = threading.get_ident()
-        self.overlapped: frozenset = _NONE
-
-    def __enter__(self) -> "replay":
-        state = self.state
-        if state.cuda_devices or state.caller_generators:
-            self.caller = capture_devices(state.cuda_devices,
-                                          tuple(g for g, _ in state.caller_generators))
-            _set_states(state)
-        else:   # the common case: the CPU generator alone
-            self.caller = _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ()))
-            _CPU_GENERATOR.set_state(state.cpu)
-        return in_use.__enter__(self)
-
-    def __exit__(self, *exc_info: object) -> None:
-        with _users_lock:
-            _users.remove(self)
-        caller = self.caller
-        if caller.cuda_devices or caller.caller_generators:
-            _set_states(caller)
-        else:
-            _CPU_GENERATOR.set_state(caller.cpu)
-
-
 def _set_states(state: RNGState) -> None:
     _CPU_GENERATOR.set_state(state.cpu)
     for device, device_state in zip(state.cuda_devices, state.cuda_states):
@@ -270,23 +229,23 @@ _GENERATOR = torch.Generator
 # ---------------------------------------------------------------------------
 
 
-class in_use:
-    """Context manager around a region's forward: register it as a user of ``state``'s generators
-    (``"cpu"``, ``("cuda", index)``); ``overlapped`` collects those another thread registered
-    for while it ran, and ``after`` is the state the forward left (read on exit, in the
-    forward's own thread: did the region draw at all?). (A class, not a generator function: it
-    runs at every checkpoint; a :class:`replay` registers the same way.)"""
+class _Registration:
+    """A block registered, while it runs, as a user of ``state``'s generators (``"cpu"``,
+    ``("cuda", index)``): ``overlapped`` collects those another thread's block registered for
+    meanwhile. The forward's :class:`in_use` and the rerun's :class:`replay` are both one."""
 
-    __slots__ = ("generators", "thread", "overlapped", "cuda_devices", "after")
+    __slots__ = ("state", "generators", "thread", "overlapped")
 
     def __init__(self, state: RNGState) -> None:
-        self.cuda_devices = state.cuda_devices
+        if type(state) is not RNGState:
+            raise TypeError(f"{type(self).__name__}: state must be an RNGState from "
+                            f"rng.capture(...), got {type(state).__name__}.")
+        self.state = state
         self.generators = _CPU_ONLY if not state.cuda_devices else state.generators
         self.thread = threading.get_ident()
         self.overlapped: frozenset = _NONE   # a new set only when another thread overlaps
-        self.after: RNGState | None = None
 
-    def __enter__(self: Any) -> Any:   # also a replay's registration
+    def __enter__(self: Any) -> Any:
         with _users_lock:
             for other in _users:
                 shared = other.generators & self.generators
@@ -299,8 +258,52 @@ class in_use:
     def __exit__(self, *exc_info: object) -> None:
         with _users_lock:
             _users.remove(self)
+
+
+class in_use(_Registration):
+    """Context manager around a region's forward: register it as a user of ``state``'s generators;
+    ``overlapped`` collects those another thread registered for while it ran, and ``after`` is
+    the state the forward left (read on exit, in the forward's own thread: did the region draw at
+    all?). (A class, not a generator function: it runs at every checkpoint.)"""
+
+    __slots__ = ("after",)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _Registration.__exit__(self)
+        devices = self.state.cuda_devices
         self.after = _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ())) \
-            if not self.cuda_devices else capture_devices(self.cuda_devices)
+            if not devices else capture_devices(devices)
+
+
+class replay(_Registration):
+    """Context manager: run the block with the generators set to ``state``; put the caller's
+    back afterwards (what ``torch.random.fork_rng`` does, for just these generators).
+
+    A replay is itself registered as a user of its generators (see the notes on threads):
+    ``overlapped`` says which generators another thread used while it ran. (A class, not a
+    generator function: it runs at every rerun; the CPU generator alone takes no loop.)
+    """
+
+    __slots__ = ("caller",)
+
+    def __enter__(self) -> "replay":
+        state = self.state
+        if state.cuda_devices or state.caller_generators:
+            self.caller = capture_devices(state.cuda_devices,
+                                          tuple(g for g, _ in state.caller_generators))
+            _set_states(state)
+        else:   # the common case: the CPU generator alone
+            self.caller = _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ()))
+            _CPU_GENERATOR.set_state(state.cpu)
+        return _Registration.__enter__(self)
+
+    def __exit__(self, *exc_info: object) -> None:
+        _Registration.__exit__(self)
+        caller = self.caller
+        if caller.cuda_devices or caller.caller_generators:
+            _set_states(caller)
+        else:
+            _CPU_GENERATOR.set_state(caller.cpu)
 
 
 _users_lock = threading.Lock()

@@ -98,9 +98,11 @@ class Guards:
         self.leaf_ids: dict[int, tuple[int, int | None]] = {}
 
     def on_pack(self, frame: Any, holder: Any, tensor: torch.Tensor, ptr: int | None) -> None:
+        if ptr and ptr in self.input_ptrs:   # an input (or a view of one): its version is the
+            holder.frees_memory = False      # reads' to check, the rerun saves its own copy
+            return
         leaf = _leaf_of(tensor)   # a parameter, ``weight.t()``
         if leaf is None:
-            holder.frees_memory = not (ptr and ptr in self.input_ptrs)
             return
         # its version is checked before a rerun (kept weakly)
         self.reads.saved_leaves.append((weakref.ref(leaf), leaf._version))
@@ -109,8 +111,7 @@ class Guards:
         # Dropping it frees nothing if it lives on outside the region: an input's storage, a leaf
         # that requires grad, a buffer or captured tensor fn reaches. A leaf *without* grad may be
         # made inside (dropout's mask): that one frees memory.
-        holder.frees_memory = not ((ptr and ptr in self.input_ptrs) or leaf.requires_grad
-                                   or (ptr and self.reads.holds_storage(ptr)))
+        holder.frees_memory = not (leaf.requires_grad or (ptr and self.reads.holds_storage(ptr)))
 
     def on_fill(self, frame: Any, task: int, index: int, tensor: torch.Tensor,
                 detached: torch.Tensor, holder: Any, ptr: int | None) -> None:
