@@ -44,6 +44,11 @@ def enter_replay_of(state):
         pass
 
 
+def enter_in_use_of(state):
+    with rng.in_use(state):
+        pass
+
+
 NULL = contextlib.nullcontext
 
 TABLE = [
@@ -203,6 +208,12 @@ TABLE = [
         lambda: enter_replay_of("state"),
         TypeError,
         ("replay: state must be an RNGState from rng.capture(...), got str",),
+    ),
+    Misuse(
+        "in_use",
+        lambda: enter_in_use_of(None),
+        TypeError,
+        ("in_use: state must be an RNGState from rng.capture(...), got NoneType",),
     ),
     # offload
     Misuse(
