@@ -343,11 +343,11 @@ class Frame:
             contexts.append(self.recompute_context)
         failure = None
         try:
+            grad_was = torch.is_grad_enabled()   # off in backward: the rerun records a graph
             _push_hooks(fill, _identity)   # with saved_tensors_hooks(fill, _identity):
             _thread.recompute_depth += 1
-            grad_was = torch.is_grad_enabled()   # off in backward: the rerun records a graph
-            torch._C._set_grad_enabled(True)
             try:
+                torch._C._set_grad_enabled(True)
                 with observers.one_context(contexts) if contexts else _NOTHING:
                     try:
                         self.fn(*args, **kwargs)
