@@ -245,7 +245,7 @@ class _Registration:
         self.thread = threading.get_ident()
         self.overlapped: frozenset = _NONE   # a new set only when another thread overlaps
 
-    def __enter__(self: Any) -> Any:
+    def __enter__(self) -> "_Registration":
         with _users_lock:
             for other in _users:
                 shared = other.generators & self.generators
@@ -295,7 +295,8 @@ class replay(_Registration):
         else:   # the common case: the CPU generator alone
             self.caller = _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ()))
             _CPU_GENERATOR.set_state(state.cpu)
-        return _Registration.__enter__(self)
+        _Registration.__enter__(self)
+        return self
 
     def __exit__(self, *exc_info: object) -> None:
         _Registration.__exit__(self)

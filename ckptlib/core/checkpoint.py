@@ -276,7 +276,6 @@ class Frame:
         ``watches`` (the contexts ``before_rerun`` gave)."""
         keys = self.keys
         count = 0                   # tensors the rerun saved so far
-        rerun_input_ptrs: set[int] = set()   # the storages of the rerun's inputs (set below)
         stop_at_next_pack = False   # the last needed tensor is an op's buffer, filled after saving
         stopped = False             # StopRecomputation was raised (it may come out wrapped)
 
@@ -327,7 +326,7 @@ class Frame:
         for saved in self.saved_inputs:
             tensor = saved.unpack()
             tensors.append(guards.rerun_input(tensor) if tensor.requires_grad else tensor)
-        rerun_input_ptrs = storage_ptrs(tensors)
+        rerun_input_ptrs = storage_ptrs(tensors)   # what fill's keys mark as an input
         args, kwargs = self.arguments.rebuild(tensors) if self.arguments else (tensors, {})
         # What the rerun runs under, each only where it is needed (the common case: the replay
         # alone): the forward's random numbers, the watches, inference mode left (a backward
