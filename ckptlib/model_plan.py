@@ -44,10 +44,10 @@ from typing import Any, Iterator
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
 
 from ckptlib._arguments import integer
-from ckptlib.storage import storage_bytes, storage_ptr, storage_ptrs
+from ckptlib.core.checks import storage_ptr, storage_ptrs
+from ckptlib.memory.allocations import storage_bytes
 from ckptlib.apply import Selector, selected_modules
 
 __all__ = ["plan_checkpointing", "ModelPlan", "ModuleCost"]
@@ -176,8 +176,7 @@ def _storages(value: Any) -> dict[int, int]:
     """storage pointer -> bytes, for every tensor in a pytree (HF outputs are dicts of tensors)."""
     if hasattr(value, "to_tuple"):   # a transformers ModelOutput
         value = value.to_tuple()
-    leaves = tree_flatten(value)[0]
-    return storage_bytes(t for t in leaves if isinstance(t, torch.Tensor))
+    return storage_bytes(value)
 
 
 def _measure_bytes(model: nn.Module, example_inputs: Any,

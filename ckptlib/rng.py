@@ -15,17 +15,17 @@ another thread draws or replays in between, both runs see each other's numbers a
 the recomputed dropout masks are not the forward's. ``in_use`` registers a
 checkpoint's forward and rerun as users of their generators, so a checkpoint can
 tell that another checkpoint in another thread used the same generator at the
-same time (``in_use.overlapped``) and refuse, instead of giving wrong gradients
+same time (``ForwardRegistration.overlapped``) and refuse, instead of giving wrong gradients
 (``torch.utils.checkpoint`` is silent there). Draws by code outside any checkpoint
 (plain dropout in another thread) do not register and cannot be seen.
 
 The caller's own generators. ``torch.rand(..., generator=g)`` draws from ``g``, not from
-the global generator. A checkpoint replays such a generator too when it can find it:
-:func:`generators_reachable` looks where the region's code can get one from (its arguments,
-the closure, defaults and the global names of a function, a ``functools.partial``'s
-arguments, a bound module's attributes and its submodules'). A generator reached any other
-way (an attribute of a plain object, a container nested deeper) is not replayed: the rerun
-draws other numbers, silently (``torch.utils.checkpoint`` replays no caller generator at all).
+the global generator. A checkpoint replays such a generator too when it can find it: the
+checkpoint passes :func:`capture` the generators that ``ckptlib.core.checks.reachable`` finds
+from the region's function and arguments (the one walk that also tells the checks what the
+region reads; its rule is in its docstring). A generator reached any other way (an attribute
+of a plain object, a container nested deeper) is not replayed: the rerun draws other numbers,
+silently (``torch.utils.checkpoint`` replays no caller generator at all).
 
 Python's ``random`` and NumPy. Their generators are not torch's and are not replayed:
 reading their state costs tens of microseconds (``random.getstate()`` copies 625 numbers),
@@ -43,7 +43,6 @@ True
 """
 from __future__ import annotations
 
-import functools
 import random
 import sys
 import threading
@@ -53,14 +52,14 @@ from collections.abc import Iterable
 from typing import Any, Callable, NamedTuple
 
 import torch
-import torch.nn as nn
+
+__all__ = ["RNGState", "capture", "snapshot", "replay", "ForwardRegistration",
+           "shared_with_another_thread", "drawn_from", "ForeignDraws", "NotReplayedRandomWarning"]
 
 
 class RNGState(NamedTuple):
-    """The generators' states at one moment: always the CPU one, CUDA ones if CUDA is up.
-
-    (A named tuple: three are made per checkpoint, with ``_snapshot``, which skips the
-    Python-level ``__new__``.)"""
+    """The generators' states at one moment: always the CPU one, CUDA ones if CUDA is up, and the
+    caller's own generators."""
 
     cpu: torch.Tensor
     cuda_devices: tuple[int, ...] = ()
@@ -69,20 +68,12 @@ class RNGState(NamedTuple):
 
     @property
     def generators(self) -> frozenset:
-        """Names of the generators this state covers: ``"cpu"`` and ``("cuda", index)``."""
-        if not self.cuda_devices:
-            return _CPU_ONLY
+        """Names of the global generators this state covers: ``"cpu"``, ``("cuda", index)``."""
         return frozenset(["cpu", *(("cuda", device) for device in self.cuda_devices)])
 
     def __repr__(self) -> str:
         return (f"RNGState(cpu, cuda_devices={self.cuda_devices}, "
                 f"{len(self.caller_generators)} caller generator(s))")
-
-
-_snapshot = tuple.__new__   # _snapshot(RNGState, (cpu, devices, states, generators))
-_CPU_ONLY = frozenset(["cpu"])
-_NONE: frozenset = frozenset()
-_CPU_GENERATOR = torch.default_generator
 
 
 def cuda_devices_of(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
@@ -102,126 +93,34 @@ def capture(tensors: Iterable[torch.Tensor],
             generators: Iterable[torch.Generator] = ()) -> RNGState:
     """Snapshot the CPU generator and, when CUDA is initialised, the generators of
     the CUDA devices that ``tensors`` live on (plus the current device); also the
-    caller's own ``generators`` (see :func:`generators_reachable`)."""
+    caller's own ``generators``."""
     tensors = (list(tensors)
                if isinstance(tensors, Iterable) and not isinstance(tensors, torch.Tensor)
                else None)
     if tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError("capture: tensors must be a list (or other iterable) of tensors, e.g. the "
                         "region's inputs; pass [] to capture the CPU generator only.")
-    return capture_devices(cuda_devices_of(tensors), generators)
+    return snapshot(cuda_devices_of(tensors), generators)
 
 
-def capture_devices(cuda_devices: tuple[int, ...],
-                    generators: Iterable[torch.Generator] = ()) -> RNGState:
-    """Snapshot the CPU generator, those of ``cuda_devices`` and the caller's ``generators``."""
-    if not cuda_devices and not generators:   # the common case: the CPU generator alone
-        return _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ()))
+def snapshot(cuda_devices: tuple[int, ...],
+             generators: Iterable[torch.Generator] = ()) -> RNGState:
+    """The states of the CPU generator, of those of ``cuda_devices`` and of the caller's
+    ``generators``, now."""
     return RNGState(
-        _CPU_GENERATOR.get_state(),
+        torch.default_generator.get_state(),
         cuda_devices,
         tuple(torch.cuda.get_rng_state(d) for d in cuda_devices),
         tuple((g, g.get_state()) for g in generators),
     )
 
 
-def capture_for(fn: Callable[..., Any], tensors: list[torch.Tensor],
-                arguments: Iterable[Any] = ()) -> RNGState:
-    """What a checkpoint call captures: the CPU generator, those of the CUDA devices its input
-    ``tensors`` live on (and the current one) and the caller's generators that ``fn`` and its
-    argument leaves reach (:func:`generators_reachable`)."""
-    if type(fn) is types.BuiltinFunctionType and not arguments \
-            and not torch.cuda.is_initialized():   # torch.sin on CPU: the CPU generator alone
-        return _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ()))
-    return capture_devices(cuda_devices_of(tensors), generators_reachable(fn, arguments))
-
-
 def _set_states(state: RNGState) -> None:
-    _CPU_GENERATOR.set_state(state.cpu)
+    torch.default_generator.set_state(state.cpu)
     for device, device_state in zip(state.cuda_devices, state.cuda_states):
         torch.cuda.set_rng_state(device_state, device)
     for generator, generator_state in state.caller_generators:
         generator.set_state(generator_state)
-
-
-def generators_reachable(fn: Callable[..., Any], arguments: Iterable[Any]) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects a region can draw from besides the global ones.
-
-    Looks in ``arguments`` (the region's argument leaves), and from ``fn``: a function's closure
-    cells and defaults, the global names its code reads (a generator there, not a module), a
-    ``functools.partial``'s arguments, a bound method's object, and a module's attributes and its
-    submodules' (torch's own modules hold none: skipped); one level into lists, tuples and dicts.
-    About a microsecond for a function; a module's walk grows with its submodules.
-
-    >>> g = torch.Generator().manual_seed(0)
-    >>> generators_reachable(lambda t: t * torch.rand(2, generator=g), []) == [g]
-    True
-    """
-    if type(fn) is types.BuiltinFunctionType and not arguments:   # torch.sin: none
-        return []
-    found: dict[int, torch.Generator] = {}
-    _add_generators(arguments, found)
-    _visit(fn, found, set(), 0)
-    return list(found.values())
-
-
-def _visit(obj: Any, found: dict[int, torch.Generator], seen: set[int], depth: int) -> None:
-    kind = type(obj)
-    if kind is torch.Generator:
-        found[id(obj)] = obj
-    elif depth > 3 or id(obj) in seen:
-        return
-    elif kind is types.FunctionType:          # the common case first: one check per call
-        seen.add(id(obj))
-        _visit_function(obj, found, seen, depth)
-    elif isinstance(obj, nn.Module):
-        seen.add(id(obj))
-        if not kind.__module__.startswith("torch.nn."):   # torch's own modules keep no generator
-            _add_generators(obj.__dict__.values(), found)
-        for child in obj._modules.values():
-            _visit(child, found, seen, depth)       # submodules: any depth, they are the module's
-    elif kind is functools.partial:
-        seen.add(id(obj))
-        for value in (obj.func, *obj.args, *obj.keywords.values()):
-            _visit(value, found, seen, depth + 1)
-    elif kind is types.MethodType:                  # a bound method
-        _visit(obj.__self__, found, seen, depth + 1)
-        _visit(obj.__func__, found, seen, depth + 1)
-    elif depth > 0 and kind in (list, tuple):
-        _add_generators(obj, found)
-    elif depth > 0 and kind is dict:
-        _add_generators(obj.values(), found)
-
-
-def _visit_function(fn: types.FunctionType, found: dict[int, torch.Generator], seen: set[int],
-                    depth: int) -> None:
-    for cell in fn.__closure__ or ():
-        try:
-            _visit(cell.cell_contents, found, seen, depth + 1)
-        except ValueError:      # a cell not filled yet
-            pass
-    if fn.__defaults__:
-        for value in fn.__defaults__:
-            _visit(value, found, seen, depth + 1)
-    if fn.__kwdefaults__:
-        for value in fn.__kwdefaults__.values():
-            _visit(value, found, seen, depth + 1)
-    # Global names: a generator itself only (a notebook's global `g`). Walking a global model at
-    # every call would cost what walking the module costs; checkpoint the module instead.
-    module_globals = fn.__globals__
-    for name in fn.__code__.co_names:
-        value = module_globals.get(name)
-        if type(value) is _GENERATOR:
-            found[id(value)] = value
-
-
-def _add_generators(values: Iterable[Any], found: dict[int, torch.Generator]) -> None:
-    for value in values:
-        if type(value) is _GENERATOR:
-            found[id(value)] = value
-
-
-_GENERATOR = torch.Generator
 
 
 # ---------------------------------------------------------------------------
@@ -232,18 +131,17 @@ _GENERATOR = torch.Generator
 class _Registration:
     """A block registered, while it runs, as a user of ``state``'s generators (``"cpu"``,
     ``("cuda", index)``): ``overlapped`` collects those another thread's block registered for
-    meanwhile. The forward's :class:`in_use` and the rerun's :class:`replay` are both one."""
-
-    __slots__ = ("state", "generators", "thread", "overlapped")
+    meanwhile. The forward's :class:`ForwardRegistration` and the rerun's :class:`replay` are
+    both one."""
 
     def __init__(self, state: RNGState) -> None:
         if type(state) is not RNGState:
             raise TypeError(f"{type(self).__name__}: state must be an RNGState from "
                             f"rng.capture(...), got {type(state).__name__}.")
         self.state = state
-        self.generators = _CPU_ONLY if not state.cuda_devices else state.generators
+        self.generators = state.generators
         self.thread = threading.get_ident()
-        self.overlapped: frozenset = _NONE   # a new set only when another thread overlaps
+        self.overlapped: frozenset = frozenset()
 
     def __enter__(self) -> "_Registration":
         with _users_lock:
@@ -260,19 +158,15 @@ class _Registration:
             _users.remove(self)
 
 
-class in_use(_Registration):
-    """Context manager around a region's forward: register it as a user of ``state``'s generators;
-    ``overlapped`` collects those another thread registered for while it ran, and ``after`` is
-    the state the forward left (read on exit, in the forward's own thread: did the region draw at
-    all?). (A class, not a generator function: it runs at every checkpoint.)"""
-
-    __slots__ = ("after",)
+class ForwardRegistration(_Registration):
+    """Context manager around a region's forward: registers it as a user of ``state``'s
+    generators; ``overlapped`` collects those another thread registered for while it ran, and
+    ``after`` is the state the forward left (read on exit, in the forward's own thread: did the
+    region draw at all?)."""
 
     def __exit__(self, *exc_info: object) -> None:
         _Registration.__exit__(self)
-        devices = self.state.cuda_devices
-        self.after = _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ())) \
-            if not devices else capture_devices(devices)
+        self.after = snapshot(self.state.cuda_devices)
 
 
 class replay(_Registration):
@@ -280,46 +174,31 @@ class replay(_Registration):
     back afterwards (what ``torch.random.fork_rng`` does, for just these generators).
 
     A replay is itself registered as a user of its generators (see the notes on threads):
-    ``overlapped`` says which generators another thread used while it ran. (A class, not a
-    generator function: it runs at every rerun; the CPU generator alone takes no loop.)
+    ``overlapped`` says which generators another thread used while it ran.
     """
-
-    __slots__ = ("caller",)
 
     def __enter__(self) -> "replay":
         state = self.state
-        if state.cuda_devices or state.caller_generators:
-            self.caller = capture_devices(state.cuda_devices,
-                                          tuple(g for g, _ in state.caller_generators))
-            _set_states(state)
-        else:   # the common case: the CPU generator alone
-            self.caller = _snapshot(RNGState, (_CPU_GENERATOR.get_state(), (), (), ()))
-            _CPU_GENERATOR.set_state(state.cpu)
+        self.caller = snapshot(state.cuda_devices, tuple(g for g, _ in state.caller_generators))
+        _set_states(state)
         _Registration.__enter__(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         _Registration.__exit__(self)
-        caller = self.caller
-        if caller.cuda_devices or caller.caller_generators:
-            _set_states(caller)
-        else:
-            _CPU_GENERATOR.set_state(caller.cpu)
+        _set_states(self.caller)
 
 
 _users_lock = threading.Lock()
-_users: list = []   # the in_use and replay blocks open now, in any thread
+_users: list = []   # the registered blocks open now, in any thread
 
 
-def shared_with_another_thread(before: RNGState, after: RNGState | None, overlap: set,
-                               replays: Iterable["replay"] = ()) -> str | None:
+def shared_with_another_thread(before: RNGState, after: RNGState | None,
+                               overlap: set) -> str | None:
     """Why a rerun is refused when another thread's checkpoint used a generator this region draws
-    from while the region's forward (``overlap``) or its ``replays`` ran; ``None`` when none did.
+    from while the region's forward or its rerun ran (``overlap``); ``None`` when none did.
     Whether the region draws at all is read from the state its forward left (``after``): read
     in the forward's own thread, never from a generator another thread may be moving."""
-    for run in replays:
-        if run.overlapped:
-            overlap = overlap | run.overlapped
     drawn = drawn_from(before, after) & overlap if overlap and after is not None else set()
     if not drawn:
         return None
@@ -375,18 +254,17 @@ class ForeignDraws:
     """The states of Python's ``random`` and NumPy's global generator before a forward; after it,
     :meth:`warn_if_moved` warns if either moved.
 
-    Made for each function (``_code_of``) once, by :meth:`first_time`: reading both states costs
-    about 60 us, so later calls of the same function are not checked.
+    Made for each function (``_code_of``) once, by :meth:`for_first_call`: reading both states
+    costs about 60 us, so later calls of the same function are not checked.
     """
-
-    __slots__ = ("before",)
 
     def __init__(self) -> None:
         self.before = _foreign_states()
 
     @staticmethod
-    def first_time(fn: Callable[..., Any]) -> "ForeignDraws | None":
-        """A ``ForeignDraws`` taken now, on the first call of ``fn``; ``None`` on later calls."""
+    def for_first_call(fn: Callable[..., Any]) -> "ForeignDraws | None":
+        """A ``ForeignDraws`` taken now if this is the first checkpointed call of ``fn``;
+        ``None`` on later calls (nothing to check)."""
         code = _code_of(fn)
         if id(code) in _checked_functions:
             return None

@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ckptlib._arguments import check_not_reentrant, flag, integer
 from ckptlib.core.checkpoint import checkpoint
-from ckptlib.storage import storage_bytes, storage_ptr, storage_ptrs
+from ckptlib.core.checks import storage_ptr, storage_ptrs
+from ckptlib.memory.allocations import storage_bytes
 from ckptlib.schedules import LayerCost, Plan, Segment, Step, uniform
 
 __all__ = ["checkpoint_sequential", "measure_layer_costs"]
@@ -241,7 +242,7 @@ def _fresh_input(value: Any) -> Any:
 
 
 def _storage_bytes(value: Any) -> int:
-    return sum(storage_bytes(_tensors(value)).values())
+    return sum(storage_bytes(value).values())
 
 
 def _synchronize(value: Any) -> None:

@@ -1,16 +1,14 @@
-"""The mechanism: a hook-based, non-reentrant checkpoint, read in this order.
+"""The mechanism: a hook-based, non-reentrant checkpoint. One checkpoint call reads in four files:
 
-- ``checkpoint.py``: Holder, Frame (pack, unpack, recompute, rerun with ``fill``, release) and
-  ``checkpoint()``, in the names and order of notebook 03; it calls its guards by name and its
-  other observers (``observers.py``) at the same named points;
-- ``inputs.py`` and ``autocast.py``: how the frame keeps its arguments for the rerun, and the
-  forward's autocast state it reruns under;
-- ``guards.py``: the observer that refuses a rerun which would differ from its forward, with
-  ``keys.py`` (what each saved tensor is) and ``reads.py`` (what the region reads from outside);
-- ``trace.py``: the observer that records what happened, as typed events;
-- ``peek.py``: looking at what a checkpoint stored without recomputing it;
-- ``compile.py``: running eagerly under ``torch.compile``;
-- ``region.py`` and ``errors.py``: how a region is named, and what a user sees when it goes wrong.
+- ``checkpoint.py``: notebook 03's checkpoint, step by step (its opening comment maps the
+  notebook's cell to the code): Holder, Frame (pack, unpack, recompute with ``Fill``, release),
+  the observers, ``checkpoint()``;
+- ``../rng.py``: capture and replay of the random-number generators (step 3);
+- ``checks.py``: the checks that refuse a rerun which would differ (step 6), and ``reachable``,
+  the one walk of what a function can reach;
+- ``errors.py``: the exception and every message.
 
-RNG capture and replay is ``ckptlib/rng.py``; argument checks are ``ckptlib/_arguments.py``.
+Beside them, used only when asked for: ``trace.py`` (the observer that records what happened),
+``peek.py`` (reading what a checkpoint stored without recomputing), ``compile.py`` (running
+eagerly under ``torch.compile``).
 """

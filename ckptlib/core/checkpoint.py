@@ -1,54 +1,45 @@
 """The checkpoint itself: notebook 03's one-cell checkpoint, grown into the library's.
 
 Autograd keeps, for every op of the forward pass, the tensors its backward formula needs
-("saved tensors"). ``torch.autograd.graph.saved_tensors_hooks`` lets us intercept that: a
-*pack* hook is called with each tensor as autograd saves it and returns whatever should be
-stored instead; an *unpack* hook is called when backward needs the tensor and must give it back.
-This file reads in the order of notebook 03:
+("saved tensors"). ``torch.autograd.graph.saved_tensors_hooks`` intercepts that: a *pack* hook
+gets each tensor as autograd saves it and returns what to store instead; an *unpack* hook gets
+that back when backward needs the tensor and must return the tensor. Notebook 03 builds a
+checkpoint from these two hooks in one cell, in six steps; this file is the same checkpoint, in
+the same steps and names:
 
-1. ``pack`` stores a small empty :class:`Holder` instead of the tensor and remembers the
-   tensor's key (shape, dtype, device, which node made it: ``keys.py``). No activation made
-   inside ``fn`` outlives the forward pass (unless ``fn`` returns it).
+1. ``pack`` stores an empty :class:`Holder` instead of the tensor and remembers the tensor's key
+   (``Frame.pack``). No activation made inside ``fn`` outlives the forward pass unless ``fn``
+   returns it. The inputs are kept, as autograd saved tensors (:func:`save_inputs`).
 2. The first ``unpack`` of a backward pass finds its holder empty and calls ``recompute``: it
-   runs ``fn`` again from the kept inputs under a second pack hook, ``fill``, that puts the
-   i-th saved tensor of the rerun into the i-th holder, its key compared with the forward's.
-3. The rerun replays the random numbers (``ckptlib/rng.py``) and the autocast state of the
-   forward, so dropout draws the same mask.
-4. Early stop: ``fill`` raises :class:`StopRecomputation` as soon as the last holder backward
-   can still ask for is filled; ops after it would only make tensors nobody needs.
-5. One use, then gone: an unpack hands its tensor over and forgets it. It first checks the
-   tensor's version, as autograd checks a saved tensor's (saved-tensor hooks switch that off):
-   an in-place op of the rerun that changed it after an op saved it (``h = a.exp();
-   h.mul_(3)``) is refused, as plain autograd refuses it. (Not for tensors that live on outside
-   the region, which free no memory: a recompute context may put a buffer back.) What a backward did
-   not use (``torch.autograd.grad`` on a subset) is dropped by ``release``, queued on the
-   autograd engine for that backward (run when it ends, or when a failed one drops it).
+   runs ``fn`` again from the kept inputs under a second pack hook, :class:`Fill`, that puts the
+   i-th tensor the rerun saves into the i-th holder (``Frame.recompute``).
+3. The rerun replays the random numbers of the forward (``ckptlib/rng.py``) and its autocast
+   state, so dropout draws the same mask.
+4. Early stop: ``Fill`` raises :class:`StopRecomputation` as soon as the last holder backward can
+   still ask for is filled; ops after it would only make tensors nobody needs.
+5. One use, then gone: ``unpack`` hands its tensor over and forgets it; what a backward did not
+   use (``torch.autograd.grad`` on a subset) is dropped by ``release`` when that backward ends.
+6. The rerun must save what the forward saved: each saved tensor's key is compared, and the
+   checks of ``checks.py`` refuse a rerun that would differ (an input changed in place, a
+   parameter replaced, an in-place change inside the region, a transform that ended). Their
+   messages are in ``errors.py``.
 
-Holders keep recomputed tensors per backward pass (*graph task*), so ``retain_graph=True``
-then a second backward recomputes once more. The inputs are kept as autograd saved tensors
-(``inputs.py``): inside an outer checkpoint they pass through its pack hook and are dropped
-too (nesting, also with ``torch.utils.checkpoint`` on either side).
+Holders keep recomputed tensors per backward pass (*graph task*), so ``retain_graph=True`` then a
+second backward recomputes once more. Inside an outer checkpoint the kept inputs pass through its
+pack hook and are dropped too (nesting, also with ``torch.utils.checkpoint`` on either side).
 
-Guards and observers. The guards (``guards.py``: what a rerun must reproduce beyond the keys,
-and its ``reads``, ``reads.py``: versions of what the region reads) are always there and called
-by name where they check: ``self.guards.on_pack``, ``self.reads.before_rerun`` and so on. At the
-same named points (``on_pack``, ``after_forward``, ``before_rerun``, ``on_recompute``,
-``on_fill``, ``on_early_stop``, ``after_rerun``, ``on_unpack``, ``on_release``) the frame calls
-its other observers, when it has any: :class:`~ckptlib.core.trace.Tracer` while a trace is
-recorded, selective checkpointing's forward context when it has ``observe_saved_tensors()``. It
-enters what ``around_forward()`` returns around the forward and what ``before_rerun`` returns
-around the rerun. None of them changes what is computed (a guard may refuse, by raising).
-Inspection (``peek.py``) answers unpacks without recomputing; ``compile.py`` makes
-``checkpoint`` run eagerly under ``torch.compile``.
-
-Extension points (selective checkpointing uses them). ``context_fn`` gives a forward and a
-recompute context, as in ``torch.utils.checkpoint``. The recompute context may raise
-:class:`RecomputeAgain` to have the function run once more from the start; a recomputed saved
-tensor on the *meta* device asks the context's ``recompute_again()`` whether to do the same.
+Observers. A frame calls its :class:`Observer` objects at each step, in a plain loop; each method
+does nothing unless an observer overrides it. There are two: the trace (``trace.py``), while
+``record_trace`` is open or with ``debug=True``, and selective checkpointing, whose
+``context_fn`` contexts are observers too (``ckptlib/selective/modes.py``): they see each saved
+tensor, and may run the recomputation again (``run_recompute``). Inspection tools read a
+checkpoint's holders without recomputing (``peek.py``); ``compile.py`` makes ``checkpoint`` run
+eagerly under ``torch.compile``.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import sys
 import threading
@@ -56,48 +47,47 @@ import weakref
 from typing import Any, Callable, ContextManager
 
 import torch
+import torch.autograd.forward_ad as forward_ad
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckptlib import rng
-from ckptlib._arguments import check_checkpoint_arguments, checkpoint_contexts
-from ckptlib.core import autocast, errors, guards, inputs, observers, peek, trace
+from ckptlib._arguments import check_not_reentrant, flag, got
 from ckptlib.core import compile as compile_
-from ckptlib.core.errors import CheckpointError, RecomputeAgain, caller_stacklevel
-from ckptlib.core.keys import TensorMeta, key_mismatch, saved_key
-from ckptlib.core.region import RegionId, function_name
-from ckptlib.storage import storage_ptr, storage_ptrs
+from ckptlib.core import errors, peek
+from ckptlib.core.checks import CONSTANT, Checks, key_mismatch, saved_key, storage_ptr, \
+    storage_ptrs
+from ckptlib.core.errors import CheckpointError, RegionId, TensorMeta, caller_stacklevel
 
-__all__ = ["checkpoint", "is_recomputing", "Holder", "Frame", "StopRecomputation",
-           "CheckpointError", "RecomputeAgain"]
+__all__ = ["checkpoint", "is_recomputing", "Holder", "Frame", "Observer", "StopRecomputation",
+           "RegionId", "function_name", "CheckpointError"]
 
 _region_numbers = itertools.count()
 _outside_backward_tasks = itertools.count(start=1)
-_NOTHING = contextlib.nullcontext()       # stateless: one for every call
-_NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
-_dispatch_modes = torch._C._len_torch_dispatch_stack   # Python dispatch modes now active
-_NO_CONTEXTS = (_NOTHING, _NOTHING)   # no context_fn: stateless, shared
-# What `with torch.autograd.graph.saved_tensors_hooks(pack, unpack):` does, as two calls (its
-# Python-level object costs more than they do, twice per region).
-_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
-_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
-_DETERMINISM_CHECKS = ("default", "none")
-_USED = object()   # a holder's entry once its tensor was handed to backward
 
 
 class Holder:
-    """What autograd stores instead of a saved tensor (step 1)."""
+    """What autograd stores instead of a saved tensor (step 1).
 
-    __slots__ = ("index", "recomputed", "unpack_count", "frees_memory", "__weakref__")
+    ``recomputed``: backward pass (graph task id) -> (its recomputed tensor, that tensor's version
+    when the rerun saved it), until backward takes it. ``frees_memory`` and ``check_version`` are
+    set by the checks' ``on_pack``: both are False for a tensor that lives on outside the region
+    (an input, a parameter, a buffer): dropping it frees nothing, and its version is checked
+    before the rerun instead of at unpack (check 4 of ``checks.py``).
+    """
+
+    __slots__ = ("index", "recomputed", "unpack_count", "frees_memory", "check_version",
+                 "__weakref__")
 
     def __init__(self, index: int) -> None:
         self.index = index
-        # backward pass (graph task id) -> (its recomputed tensor, that tensor's version then)
-        self.recomputed: dict[int, Any] = {}
+        self.recomputed: dict[int, tuple[torch.Tensor, int | None]] = {}
         self.unpack_count = 0
-        self.frees_memory = True   # set by the guards: False for inputs, parameters, views of them
+        self.frees_memory = True
+        self.check_version = True
 
 
 class StopRecomputation(Exception):
-    """Raised from ``fill`` once the last needed tensor is back (step 4)."""
+    """Raised from ``Fill`` once the last needed tensor is back (step 4)."""
 
 
 class _ThreadState(threading.local):
@@ -112,77 +102,173 @@ def is_recomputing() -> bool:
     return _thread.recompute_depth > 0
 
 
+class Observer:
+    """Sees one checkpoint call step by step; never changes what is computed (it may refuse, by
+    raising). Each method does nothing here; the trace and selective checkpointing override some.
+    The methods are named after the trace's events: ``pack``, ``forward_done``, ``recompute``,
+    ``early_stop``, ``unpack``, ``release``."""
+
+    def before_forward(self, frame: "Frame") -> ContextManager | None:
+        """Before the forward runs: a context to run it under, or None."""
+        return None
+
+    def on_pack(self, frame: "Frame", holder: Holder, tensor: torch.Tensor) -> None:
+        """Autograd saved ``tensor``; ``holder`` is what it stores instead."""
+
+    def on_forward_done(self, frame: "Frame", output: Any) -> None:
+        """The forward returned ``output``."""
+
+    def on_recompute(self, frame: "Frame", trigger: int, needed: int) -> None:
+        """Holder ``trigger`` asked for the first recomputation of a backward pass; ``needed``
+        holders are still alive."""
+
+    def run_recompute(self, frame: "Frame", recompute: Callable[[], None]) -> None:
+        """Run the recomputation: ``recompute()`` runs ``fn`` once from the start. (Selective
+        checkpointing runs it once more when a result it skipped was needed after all.)"""
+        recompute()
+
+    def on_fill(self, frame: "Frame", index: int, tensor: torch.Tensor) -> None:
+        """The rerun saved ``tensor`` at ``index``, before its key is compared."""
+
+    def on_early_stop(self, frame: "Frame", index: int) -> None:
+        """The rerun stopped at ``index``, the last needed saved tensor."""
+
+    def on_unpack(self, frame: "Frame", holder: Holder, tensor: torch.Tensor) -> None:
+        """Backward took ``holder``'s tensor."""
+
+    def on_release(self, frame: "Frame", task: int, released: int) -> None:
+        """A backward pass ended; ``released`` recomputed tensors it did not use were dropped."""
+
+
+def function_name(fn: Any) -> str:
+    """How a region names ``fn``: ``Block.forward``, ``sin``, a ``functools.partial`` by what it
+    calls, else its type's name. Never raises: a user's callable may answer every attribute (a
+    proxy) or raise from a property.
+
+    >>> function_name(torch.sin), function_name(functools.partial(function_name))
+    ('sin', 'function_name')
+    """
+    while type(fn) is functools.partial:
+        fn = fn.func
+    try:
+        name = getattr(fn, "__qualname__", None)
+        if isinstance(name, str) and name.startswith("_VariableFunctions"):  # torch.sin: "sin"
+            name = getattr(fn, "__name__", None)
+    except Exception:
+        name = None
+    return name if isinstance(name, str) and name else type(fn).__name__
+
+
+# ---------------------------------------------------------------------------
+# What the frame keeps for the rerun: the arguments, the autocast state
+# ---------------------------------------------------------------------------
+
+class Arguments:
+    """``(args, kwargs)`` as a pytree, without its tensors (those are kept as saved tensors):
+    :meth:`rebuild` puts the rerun's tensors where they were."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        leaves, self.spec = tree_flatten((args, kwargs), is_leaf=_is_size)
+        self.positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        # what is not a tensor, where it was (also where the caller's generators are looked for)
+        self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+    @staticmethod
+    def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        leaves = tree_flatten((args, kwargs), is_leaf=_is_size)[0]
+        return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> tuple[Any, dict]:
+        """``(args, kwargs)`` again, with ``tensors`` where the tensors were."""
+        leaves = list(self.leaves)
+        for position, tensor in zip(self.positions, tensors):
+            leaves[position] = tensor
+        return tree_unflatten(leaves, self.spec)
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, torch.Size)   # a pytree node that unflattens to a tuple: keep it whole
+
+
+def save_inputs(tensors: list[torch.Tensor]) -> list:
+    """The inputs as autograd saved tensors (``.unpack()`` gives each back), as torch's own
+    checkpoint keeps them: inside an outer checkpoint they pass through its pack hook and are
+    dropped too. (A private torch call: the public way, ``ctx.save_for_backward`` in a do-nothing
+    ``autograd.Function``, refuses dual tensors under forward-mode AD.)"""
+    return [torch._C._autograd._make_saved_tensor(tensor, False) for tensor in tensors]
+
+
+def rerun_input(tensor: torch.Tensor) -> torch.Tensor:
+    """An input for the rerun: detached from the forward's graph (a hook the function registers
+    on it would otherwise fire twice in backward), requiring grad as it did; under forward-mode AD
+    it keeps its tangent."""
+    if not tensor.requires_grad:
+        return tensor
+    detached = tensor.detach().requires_grad_()
+    if forward_ad._current_level >= 0:
+        tangent = forward_ad.unpack_dual(tensor).tangent
+        if tangent is not None:
+            return forward_ad.make_dual(detached, tangent)
+    return detached
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    """(device, enabled, dtype) for each device: what a rerun inside backward must run under."""
+    return tuple((device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                 for device in _AUTOCAST_DEVICES)
+
+
+def may_be_filled_later(keys: list[tuple], index: int) -> bool:
+    """The early-stop rule next to a buffer an op fills: an op saves its inputs before it runs,
+    so ``rrelu``, which saves its ``noise`` buffer and then fills it, would hand back an unfilled
+    buffer if the rerun stopped right there. Next to a saved constant (a tensor without history
+    made inside) the rerun stops at the next save instead."""
+    if keys[index][3] is CONSTANT:
+        return True
+    return index > 0 and keys[index - 1][3] is CONSTANT
+
+
+# ---------------------------------------------------------------------------
+# The frame: one checkpoint call
+# ---------------------------------------------------------------------------
+
 class Frame:
-    """Everything one ``checkpoint`` call needs to rerun its function later."""
+    """Everything one ``checkpoint`` call needs to run its function again later."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, preserve_rng_state: bool,
-                 early_stop: bool, contexts: tuple[ContextManager, ContextManager], debug: bool,
-                 check_keys: bool) -> None:
+                 early_stop: bool, contexts: tuple[ContextManager, ContextManager],
+                 check_keys: bool, observers: list[Observer]) -> None:
         self.fn, self.number = fn, next(_region_numbers)
-        tensors_only = not kwargs
-        for arg in args:
-            if not isinstance(arg, torch.Tensor):
-                tensors_only = False
-                break
-        if tensors_only:   # the common case: the inputs are the arguments, no pytree
-            self.arguments: inputs.Arguments | None = None
-            tensors = list(args)
-        else:
-            self.arguments = inputs.Arguments(args, kwargs)
-            tensors = self.arguments.tensors
-        self.saved_inputs: list | None = inputs.save_inputs(tensors)   # each with .unpack()
-        self.input_ptrs = storage_ptrs(tensors)
-        self.rng = rng.capture_for(fn, tensors, self.arguments.leaves if self.arguments else ()) \
-            if preserve_rng_state else None
+        self.arguments = Arguments(args, kwargs)
+        tensors = Arguments.tensors_of(args, kwargs)
+        self.inputs = save_inputs(tensors)   # None once nothing will be recomputed
+        self.checks = Checks(fn, tensors, self.arguments.leaves)   # step 6, called by name
+        self.rng = rng.capture(tensors, self.checks.generators) if preserve_rng_state else None
         self.rng_after: rng.RNGState | None = None
         self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
-        self.autocast = autocast.state() if autocast.any_enabled() else None
+        self.autocast = autocast_state()
         self.early_stop, self.check_keys = early_stop, check_keys
         self.forward_context, self.recompute_context = contexts   # context_fn was called once
+        self.observers = observers
         self.holders: list[weakref.ReferenceType[Holder]] = []
         self.keys: list[tuple] = []   # the key of each saved tensor, in pack order
         self.recomputed_in: set[int] = set()
         self.recompute_count = 0
-        self.guards = guards.Guards(fn, tensors, self.input_ptrs)   # called by name, always
-        self.reads = self.guards.reads   # what fn reads from outside, and its versions
-        self.observers: list[Any] = []   # the others, called at the named points
-        if self.forward_context is not _NOTHING:   # extension point: selective checkpointing's
-            observe = getattr(self.forward_context, "observe_saved_tensors", None)
-            callback = observe() if observe is not None else None
-            if callback is not None:
-                self.observers.append(observers.SavedTensorsCallback(callback))
-        if debug or trace.open_traces:
-            self.observers.append(trace.Tracer(echo=debug))
-        if self.observers:
-            self._hooks()
-
-    # The named points: each holds the bound methods of the observers that have one (the
-    # common case: no observers, nothing to call).
-    on_pack = after_forward = before_rerun = on_recompute = on_fill = on_early_stop = \
-        after_rerun = on_unpack = on_release = around_forward = ()
-
-    def _hooks(self) -> None:
-        """Bind each named point to the methods of the observers that have one
-        (``observers.py``: the points, and what each receives)."""
-        watchers = self.observers
-        kinds = tuple(map(type, watchers))
-        for point, positions in observers.PLANS.get(kinds) or observers.plan(kinds):
-            hooks = []
-            for position in positions:
-                hooks.append(getattr(watchers[position], point))
-            setattr(self, point, hooks)
 
     @property
     def region(self) -> RegionId:
         """This call's name in messages and traces, e.g. ``Block.forward@3``."""
-        return RegionId(function_name(self.fn, through_partials=True), self.number)
+        return RegionId(function_name(self.fn), self.number)
 
     def meta(self, index: int) -> TensorMeta:
         return TensorMeta.from_key(self.keys[index])
 
     def node_name(self) -> str | None:
         """The backward node running now (who unpacks), or ``None``."""
-        node = torch._C._current_autograd_node()
+        node = torch._C._current_autograd_node()   # no public API tells the running node
         return node.name() if node is not None else None
 
     # -- forward (step 1) ---------------------------------------------------------------
@@ -190,220 +276,210 @@ class Frame:
         holder = Holder(len(self.holders))
         self.holders.append(weakref.ref(holder))
         ptr = storage_ptr(tensor)
-        self.keys.append(saved_key(tensor, ptr, self.input_ptrs))
-        self.guards.on_pack(self, holder, tensor, ptr)
-        for hook in self.on_pack:
-            hook(self, holder, tensor, ptr)
+        self.keys.append(saved_key(tensor, ptr, self.checks.input_ptrs))
+        self.checks.on_pack(holder, tensor, ptr)
+        for observer in self.observers:
+            observer.on_pack(self, holder, tensor)
         return holder
 
-    def forward_done(self, output: Any, rng_use: rng.in_use | None) -> None:
+    def forward_done(self, output: Any, rng_use: rng.ForwardRegistration | None) -> None:
         if rng_use is not None:   # what the forward left: did this region draw at all?
-            self.rng_after = rng_use.after
-            self.rng_overlap = rng_use.overlapped
+            self.rng_after, self.rng_overlap = rng_use.after, rng_use.overlapped
         if not self.keys:   # nothing saved, so nothing will be recomputed: let the inputs go
-            self.saved_inputs = None
-        self.reads.after_forward(self, output)
-        for hook in self.after_forward:
-            hook(self, output)
+            self.inputs = None
+        self.checks.after_forward()
+        for observer in self.observers:
+            observer.on_forward_done(self, output)
 
     # -- backward (steps 2 and 5) ---------------------------------------------------------
     def unpack(self, holder: Holder) -> torch.Tensor:
-        peeking = peek.state.peek
-        if peeking is not None:
-            return peeking.answer(self, holder)
+        if peek.state.peek is not None:   # an inspection tool reads it: answer, recompute nothing
+            return peek.state.peek.answer(self, holder)
+        # The backward pass running now; torch has no public API that tells it (its own
+        # checkpoint reads it the same way).
         task = torch._C._current_graph_task_id()
         outside = task == -1   # grad_fn._saved_* read by hand: recompute for it, keep nothing
         if outside:
             task = -next(_outside_backward_tasks)
         try:
             if task not in self.recomputed_in:
-                self.recompute(task, holder.index)
-            entry = holder.recomputed.get(task, _USED)
-            if entry is _USED:
+                self.start_recompute(task, holder.index)
+            if task not in holder.recomputed:
                 raise CheckpointError(
                     errors.unpacked_twice(self.region, holder.index, self.meta(holder.index)))
-            tensor, version = entry
-            if version >= 0 and tensor._version != version:   # changed since its rerun saved it
+            tensor, version = holder.recomputed.pop(task)   # handed over: forgotten (step 5)
+            if holder.check_version and tensor._version != version:   # check 4 of checks.py
                 self.release(task)
-                raise CheckpointError(f"checkpoint {self.region}: " + guards.modified_in_place(
-                    holder.index, self.keys[holder.index], version, tensor._version,
-                    self.node_name()))
-            for hook in self.on_unpack:
-                hook(self, task, holder, tensor)
-            holder.recomputed[task] = _USED   # handed over: forgotten (step 5)
+                raise CheckpointError(f"checkpoint {self.region}: " + errors.modified_in_place(
+                    holder.index, self.meta(holder.index), self.keys[holder.index][3], version,
+                    tensor._version, self.node_name()))
             holder.unpack_count += 1
+            for observer in self.observers:
+                observer.on_unpack(self, holder, tensor)
             return tensor
         finally:
             if outside:
                 self.release(task)
 
-    def recompute(self, task: int, trigger: int) -> None:
+    def start_recompute(self, task: int, trigger: int) -> None:
+        """The first unpack of backward pass ``task``: recompute every holder still alive."""
         if trace.open_traces and not any(isinstance(o, trace.Tracer) for o in self.observers):
             self.observers.append(trace.Tracer(echo=False))   # a trace opened after the forward
-            self._hooks()
-        alive = 0   # holders backward can still ask for, and the last of them
-        last_needed = -1
-        for again in (False, True):   # a second run only if the recompute context asks for it
-            # the contexts to run it under, from the reads and the observers (each may refuse it)
-            watch = self.reads.before_rerun(self)
-            watches = [watch] if watch is not None else []
-            for hook in self.before_rerun:
-                watch = hook(self)
-                if watch is not None:
-                    watches.append(watch)
-            if not again:
-                for index, ref in enumerate(self.holders):
-                    if ref() is not None:
-                        alive += 1
-                        last_needed = index
-            for hook in self.on_recompute:
-                hook(self, trigger, alive, again)
-            if not again:
-                self.recomputed_in.add(task)
-                self.recompute_count += 1
-                if task >= 0:
-                    torch.autograd.Variable._execution_engine.queue_callback(
-                        _ReleaseUnused(self, task))
-            try:
-                return self.rerun(task, last_needed, watches)
-            except RecomputeAgain:   # selective checkpointing: a skipped result was needed
-                if again:
-                    self.release(task)
-                    raise CheckpointError(errors.asked_again_twice(self.region)) from None
+        last_needed, alive = -1, 0   # holders backward can still ask for, and the last of them
+        for index, ref in enumerate(self.holders):
+            if ref() is not None:
+                alive, last_needed = alive + 1, index
+        for observer in self.observers:
+            observer.on_recompute(self, trigger, alive)
+        self.recomputed_in.add(task)
+        self.recompute_count += 1
+        if task >= 0:   # released when this backward ends (or fails)
+            torch.autograd.Variable._execution_engine.queue_callback(_ReleaseUnused(self, task))
+        run = functools.partial(self.recompute, task, last_needed)
+        for observer in self.observers:
+            run = functools.partial(observer.run_recompute, self, run)
+        try:
+            run()
+        except BaseException:
+            self.release(task)
+            raise
 
-    def rerun(self, task: int, last_needed: int, watches: list) -> None:
-        """Run ``fn`` again under ``fill``, the second pack hook (steps 2 to 4), and under
-        ``watches`` (the contexts ``before_rerun`` gave)."""
-        keys = self.keys
-        count = 0                   # tensors the rerun saved so far
-        stop_at_next_pack = False   # the last needed tensor is an op's buffer, filled after saving
-        stopped = False             # StopRecomputation was raised (it may come out wrapped)
-
-        def fill(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal count, stop_at_next_pack, stopped
-            if stop_at_next_pack:   # the buffer next to the last needed tensor is filled by now
-                index = last_needed
-            else:
-                index = count
-                count += 1
-                if not tensor.requires_grad:
-                    detached = tensor
-                elif type(tensor) is torch.Tensor and _dispatch_modes():
-                    with _NO_PYTHON_DISPATCH():   # a plain detach, not through the mode (~15 us)
-                        detached = tensor.detach()
-                else:
-                    detached = tensor.detach()
-                if index >= len(keys):
-                    raise CheckpointError(errors.saved_more(self.region, len(keys), index,
-                                                            TensorMeta.of(tensor),
-                                                            self.guards.mismatch_causes()))
-                ptr = None
-                if self.check_keys:
-                    ptr = storage_ptr(tensor)
-                    key = saved_key(tensor, ptr, rerun_input_ptrs)
-                    if key != keys[index]:
-                        self._refuse(index, tensor, key)
-                holder = self.holders[index]()
-                if holder is not None:   # with its version, as autograd keeps a saved tensor's
-                    holder.recomputed[task] = (detached, detached._version if holder.frees_memory
-                                               else -1)
-                self.guards.on_fill(self, task, index, tensor, detached, holder, ptr)
-                for hook in self.on_fill:
-                    hook(self, task, index, tensor, detached, holder, ptr)
-                if not self.early_stop or index != last_needed:
-                    return detached
-                if guards.may_be_filled_later(keys, index):
-                    stop_at_next_pack = True
-                    return detached
-            # Early stop (step 4): every tensor backward can still ask for is back.
-            if index + 1 < len(keys):
-                for hook in self.on_early_stop:
-                    hook(self, index)
-            stopped = True
-            raise StopRecomputation
-
-        tensors = []
-        for saved in self.saved_inputs:
-            tensor = saved.unpack()
-            tensors.append(guards.rerun_input(tensor) if tensor.requires_grad else tensor)
-        rerun_input_ptrs = storage_ptrs(tensors)   # what fill's keys mark as an input
-        args, kwargs = self.arguments.rebuild(tensors) if self.arguments else (tensors, {})
-        # What the rerun runs under, each only where it is needed (the common case: the replay
-        # alone): the forward's random numbers, the watches, inference mode left (a backward
-        # under it is legal; the rerun records a graph), the forward's autocast state where
-        # backward's differs, context_fn's.
-        random = rng.replay(self.rng) if self.rng is not None else None
-        contexts = [random, *watches] if random is not None else watches
-        if torch.is_inference_mode_enabled():
-            contexts.append(torch.inference_mode(False))
-        if self.autocast != (autocast.state() if autocast.any_enabled() else None):
-            contexts.extend(autocast.contexts(self.autocast))
-        if self.recompute_context is not _NOTHING:
-            contexts.append(self.recompute_context)
+    def recompute(self, task: int, last_needed: int) -> None:
+        """Run ``fn`` again from the kept inputs under :class:`Fill` (steps 2 to 4)."""
+        watch = self.checks.before_recompute(self.region)
+        tensors = [rerun_input(saved.unpack()) for saved in self.inputs]
+        args, kwargs = self.arguments.rebuild(tensors)
+        fill = Fill(self, task, last_needed, storage_ptrs(tensors))
         failure = None
         try:
-            grad_was = torch.is_grad_enabled()   # off in backward: the rerun records a graph
-            _push_hooks(fill, _identity)   # with saved_tensors_hooks(fill, _identity):
-            _thread.recompute_depth += 1
-            try:
-                torch._C._set_grad_enabled(True)
-                with observers.one_context(contexts) if contexts else _NOTHING:
-                    try:
-                        self.fn(*args, **kwargs)
-                    except StopRecomputation:   # caught here: the contexts exit normally
-                        pass
-            finally:
-                torch._C._set_grad_enabled(grad_was)
-                _thread.recompute_depth -= 1
-                _pop_hooks()
+            with contextlib.ExitStack() as stack:
+                if self.rng is not None:   # step 3: the forward's random numbers
+                    replay = stack.enter_context(rng.replay(self.rng))
+                if watch is not None:
+                    stack.enter_context(watch)
+                if torch.is_inference_mode_enabled():   # a backward under it is legal: leave it
+                    stack.enter_context(torch.inference_mode(False))
+                if autocast_state() != self.autocast:   # step 3: the forward's autocast state
+                    for device, enabled, dtype in self.autocast:
+                        stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+                stack.enter_context(self.recompute_context)
+                stack.enter_context(fill)
+                stack.enter_context(torch.enable_grad())   # off in backward: the rerun records
+                stack.enter_context(_recomputing())
+                try:
+                    self.fn(*args, **kwargs)
+                except StopRecomputation:   # step 4, caught here: the contexts exit normally
+                    pass
         except BaseException as error:
             failure = error
         try:
-            self.reads.after_rerun(self, failure)
-            for hook in self.after_rerun:
-                hook(self, failure)
-        except BaseException as refusal:   # an observer's refusal takes the failure's place
+            self.checks.after_recompute(self.region, failure)
+        except BaseException as refusal:   # a check's refusal takes the failure's place
             failure = refusal
-        if failure is not None and not isinstance(failure, RecomputeAgain) and not stopped:
-            # (RecomputeAgain: the holders filled so far are filled again by the next run.) Code
-            # between the hook and here may wrap the early stop in its own exception
-            # (TorchScript re-raises it as a RuntimeError): once stopped, every needed holder is
-            # filled.
-            self.release(task)
-            lost = self.guards.lost_transform()
+        if failure is not None and not fill.stopped:
+            # Code between the hook and here may wrap the early stop in its own exception
+            # (TorchScript re-raises it as a RuntimeError): once stopped, every needed holder
+            # is filled.
+            lost = self.checks.lost_transform()
             if lost is not None and not isinstance(failure, CheckpointError):
                 raise CheckpointError(f"checkpoint {self.region}: {lost}") from failure
             raise failure
-        if isinstance(failure, RecomputeAgain):
-            raise failure
         shared = None
-        if random is not None and (self.rng_overlap or random.overlapped):
-            shared = rng.shared_with_another_thread(self.rng, self.rng_after, self.rng_overlap,
-                                                    [random])
-        if shared or count <= last_needed:
-            self.release(task)
+        if self.rng is not None:
+            shared = rng.shared_with_another_thread(self.rng, self.rng_after,
+                                                    self.rng_overlap | replay.overlapped)
+        if shared or fill.count <= last_needed:
             raise CheckpointError(f"checkpoint {self.region}: " + (shared or errors.saved_fewer(
-                len(keys), count, self.guards.mismatch_causes())))
-
-    def _refuse(self, index: int, tensor: torch.Tensor, key: tuple) -> None:
-        """The rerun's ``index``-th saved tensor is not the forward's: ask again, or raise."""
-        again = getattr(self.recompute_context, "recompute_again", None)   # extension point
-        if tensor.device.type == "meta" and self.keys[index][2].type != "meta" \
-                and again is not None and again():
-            raise RecomputeAgain   # a result the context skipped was needed after all
-        raise CheckpointError(f"checkpoint {self.region}: " + (
-            self.guards.lost_transform() or key_mismatch(index, self.keys[index], key)))
+                len(self.keys), fill.count, self.checks.mismatch_causes())))
 
     def release(self, task: int) -> None:
         """Drop the recomputed tensors of backward pass ``task`` that nobody took (step 5)."""
         released = 0
         for ref in self.holders:
             holder = ref()
-            if holder is not None and holder.recomputed.pop(task, _USED) is not _USED:
+            if holder is not None and holder.recomputed.pop(task, None) is not None:
                 released += 1
         self.recomputed_in.discard(task)
-        for hook in self.on_release:
-            hook(self, task, released)
+        for observer in self.observers:
+            observer.on_release(self, task, released)
+
+
+@contextlib.contextmanager
+def _recomputing():
+    _thread.recompute_depth += 1
+    try:
+        yield
+    finally:
+        _thread.recompute_depth -= 1
+
+
+class Fill(torch.autograd.graph.saved_tensors_hooks):
+    """The rerun's pack hook (step 2): the i-th tensor the rerun saves goes into the i-th holder,
+    its key compared with the forward's (step 6); early stop after the last needed one (step 4).
+
+    The hook is a separate object (:class:`_FillHook`) so that the hooks this context installs
+    and holds do not point back at it: nothing here forms a reference cycle with the frame.
+    """
+
+    def __init__(self, frame: Frame, task: int, last_needed: int, input_ptrs: set[int]) -> None:
+        self.hook = _FillHook(frame, task, last_needed, input_ptrs)
+        super().__init__(self.hook, _identity)
+
+    @property
+    def count(self) -> int:
+        return self.hook.count
+
+    @property
+    def stopped(self) -> bool:
+        return self.hook.stopped
+
+
+class _FillHook:
+    def __init__(self, frame: Frame, task: int, last_needed: int, input_ptrs: set[int]) -> None:
+        self.frame, self.task, self.last_needed, self.input_ptrs = frame, task, last_needed, \
+            input_ptrs
+        self.count = 0                  # tensors the rerun saved so far
+        self.stop_at_next_pack = False  # the last needed tensor is an op's buffer, filled later
+        self.stopped = False            # StopRecomputation was raised (it may come out wrapped)
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        frame, keys = self.frame, self.frame.keys
+        if self.stop_at_next_pack:   # the buffer next to the last needed tensor is filled now
+            return self.stop(self.last_needed)
+        index = self.count
+        self.count += 1
+        if index >= len(keys):
+            raise CheckpointError(errors.saved_more(frame.region, len(keys), index,
+                                                    TensorMeta.of(tensor),
+                                                    frame.checks.mismatch_causes()))
+        for observer in frame.observers:
+            observer.on_fill(frame, index, tensor)
+        ptr = storage_ptr(tensor)
+        if frame.check_keys:
+            key = saved_key(tensor, ptr, self.input_ptrs)
+            if key != keys[index]:
+                raise CheckpointError(f"checkpoint {frame.region}: " + (
+                    frame.checks.lost_transform() or key_mismatch(index, keys[index], key)))
+            frame.checks.on_fill(frame.region, index, tensor, ptr)
+        detached = tensor.detach()
+        holder = frame.holders[index]()
+        if holder is not None:   # with its version, as autograd keeps a saved tensor's
+            holder.recomputed[self.task] = (detached, detached._version)
+        if not frame.early_stop or index != self.last_needed:
+            return detached
+        if may_be_filled_later(keys, index):
+            self.stop_at_next_pack = True
+            return detached
+        return self.stop(index)
+
+    def stop(self, index: int) -> torch.Tensor:
+        """Early stop (step 4): every tensor backward can still ask for is back."""
+        frame = self.frame
+        if index + 1 < len(frame.keys):
+            for observer in frame.observers:
+                observer.on_early_stop(frame, index)
+        self.stopped = True
+        raise StopRecomputation
 
 
 class _ReleaseUnused:
@@ -432,6 +508,49 @@ def _identity(x):
     return x
 
 
+# ---------------------------------------------------------------------------
+# checkpoint()
+# ---------------------------------------------------------------------------
+
+def check_arguments(fn: Any, flags: dict[str, Any], context_fn: Any, use_reentrant: Any,
+                    determinism_check: Any) -> None:
+    """``checkpoint``'s own arguments, refused at the call before anything runs."""
+    if not callable(fn):
+        raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
+                        "Pass the function or module itself, e.g. checkpoint(block, x).")
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            flag(value, name, where="checkpoint")   # raises, with the library's wording
+    if not isinstance(determinism_check, str) or determinism_check not in ("default", "none"):
+        raise (ValueError if isinstance(determinism_check, str) else TypeError)(
+            "checkpoint: determinism_check must be 'default' (compare every saved tensor of the "
+            "recomputation with the forward's) or 'none' (compare none), "
+            f"{got(determinism_check)}.")
+    if use_reentrant is not None and use_reentrant is not False:
+        check_not_reentrant("checkpoint", use_reentrant,
+                            "torch.utils.checkpoint for the reentrant variant")
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError("checkpoint: context_fn must be None or a function returning two context "
+                        "managers (forward_context, recompute_context), got "
+                        f"{type(context_fn).__name__}.")
+
+
+def checkpoint_contexts(context_fn: Callable[[], Any] | None
+                        ) -> tuple[ContextManager, ContextManager]:
+    """The (forward, recompute) pair ``context_fn`` returns, checked; two null contexts for
+    None."""
+    if context_fn is None:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    contexts = context_fn()
+    if not (isinstance(contexts, (tuple, list)) and len(contexts) == 2
+            and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in contexts)):
+        shown = repr(contexts) if len(repr(contexts)) < 80 else type(contexts).__name__
+        raise TypeError("checkpoint: context_fn must return two context managers "
+                        "(forward_context, recompute_context), e.g. lambda: "
+                        f"(contextlib.nullcontext(), my_context()); it returned {shown}.")
+    return contexts[0], contexts[1]
+
+
 def checkpoint(
     fn: Callable[..., Any],
     *args: Any,
@@ -452,14 +571,11 @@ def checkpoint(
         preserve_rng_state: replay the CPU (and initialised CUDA) RNG state during
             recomputation so dropout draws the same mask. The caller's RNG stream is
             never moved by the recomputation. A ``torch.Generator`` of the caller's
-            (``torch.rand(..., generator=g)``) is replayed too where the checkpoint can
-            find it: among the arguments, in ``fn``'s closure or defaults, as a global name
-            its code reads, in a ``functools.partial``'s arguments, or as an attribute of a
-            module ``fn`` is, is bound to or closes over, and of its submodules. One reached
-            any other way (an attribute of a plain object, of a module that is a global) is
-            not replayed, silently: pass it as an argument. Python's ``random`` and
-            NumPy are never replayed; the first call of each function warns
-            (``NotReplayedRandomWarning``) if it drew from them.
+            (``torch.rand(..., generator=g)``) is replayed too where ``fn`` or the arguments
+            reach it (``checks.reachable``: closures, defaults, globals, partials, modules
+            and their attributes). One held by a plain object is not replayed, silently: pass
+            it as an argument. Python's ``random`` and NumPy are never replayed; the first
+            call of each function warns (``NotReplayedRandomWarning``) if it drew from them.
         early_stop: stop the recomputation as soon as every needed tensor is back
             (``torch.utils.checkpoint.set_checkpoint_early_stop`` overrides it, as in torch).
         debug: print a trace line for each pack, recompute, early stop and unpack.
@@ -475,7 +591,6 @@ def checkpoint(
     Gradients equal plain autograd bitwise; under ``torch.no_grad()`` this is a plain
     call. Under ``torch.compile`` it runs eagerly between compiled graphs (``compile.py``).
 
-    >>> import torch
     >>> x = torch.randn(8, 8, requires_grad=True)
     >>> w = torch.randn(8, 8, requires_grad=True)
     >>> def layer(inp, weight, *, scale):
@@ -490,45 +605,44 @@ def checkpoint(
             fn, *args, preserve_rng_state=preserve_rng_state, early_stop=early_stop, debug=debug,
             context_fn=context_fn, use_reentrant=use_reentrant, determinism_check=determinism_check,
             **kwargs)
-    if not (type(preserve_rng_state) is bool and type(early_stop) is bool and type(debug) is bool
-            and context_fn is None and (use_reentrant is None or use_reentrant is False)
-            and type(determinism_check) is str and determinism_check in _DETERMINISM_CHECKS
-            and callable(fn)):   # not the common case: check all, each with its own message
-        check_checkpoint_arguments(fn, {"preserve_rng_state": preserve_rng_state,
-                                        "early_stop": early_stop, "debug": debug},
-                                   context_fn, use_reentrant, determinism_check)
+    check_arguments(fn, {"preserve_rng_state": preserve_rng_state, "early_stop": early_stop,
+                         "debug": debug}, context_fn, use_reentrant, determinism_check)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    contexts = checkpoint_contexts(context_fn) if context_fn is not None else _NO_CONTEXTS
+    contexts = checkpoint_contexts(context_fn)
+    # torch.utils.checkpoint.set_checkpoint_early_stop(...) overrides early_stop, as in torch
     override = getattr(sys.modules.get("torch.utils.checkpoint"), "_enable_checkpoint_early_stop",
-                       None)   # torch.utils.checkpoint.set_checkpoint_early_stop(...), as in torch
+                       None)
+    # The observers: selective checkpointing's contexts, and the trace while one is recorded.
+    observers = [context for context in contexts if isinstance(context, Observer)]
+    if debug or trace.open_traces:
+        observers.append(trace.Tracer(echo=debug))
     frame = Frame(fn, args, kwargs, preserve_rng_state,
                   early_stop if override is None else override, contexts,
-                  debug, check_keys=determinism_check == "default")
-    foreign_draws = rng.ForeignDraws.first_time(fn) if preserve_rng_state else None
+                  determinism_check == "default", observers)
+    foreign_draws = rng.ForeignDraws.for_first_call(fn) if preserve_rng_state else None
     cuda_was_up = torch.cuda.is_initialized()
+    rng_use = rng.ForwardRegistration(frame.rng) if frame.rng is not None else None
     returned = False
-    # The forward runs under: this region's registration as a user of its generators (threads,
-    # rng.py), context_fn's forward context, the observers' (the trace's).
-    rng_use = rng.in_use(frame.rng) if frame.rng is not None else None
-    contexts = [rng_use] if rng_use is not None else []
-    if frame.forward_context is not _NOTHING:
-        contexts.append(frame.forward_context)
-    for hook in frame.around_forward:
-        contexts.append(hook())
-    _push_hooks(frame.pack, frame.unpack)   # with saved_tensors_hooks(frame.pack, frame.unpack):
-    try:
-        with observers.one_context(contexts) if contexts else _NOTHING:
-            try:
-                output = fn(*args, **kwargs)
-                returned = True
-            except BaseException as error:
-                failure = error   # kept for the message below, should a forward context swallow it
-                raise
-    finally:
-        _pop_hooks()
+    with contextlib.ExitStack() as stack:
+        if rng_use is not None:   # registered as a user of its generators (threads, rng.py)
+            stack.enter_context(rng_use)
+        forward_contexts = [observer.before_forward(frame) for observer in observers]
+        stack.enter_context(frame.forward_context)
+        for context in forward_contexts:
+            if context is not None:
+                stack.enter_context(context)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack))
+        try:
+            output = fn(*args, **kwargs)
+            returned = True
+        except BaseException as error:
+            # for the message below, should a forward context swallow it (words, not the
+            # exception: a local holding it would hold its own traceback, a reference cycle)
+            failure = f"{type(error).__name__}: {error}"
+            raise
     if not returned:
-        raise RuntimeError(errors.context_swallowed(frame.region, failure)) from failure
+        raise RuntimeError(errors.context_swallowed(frame.region, failure))
     if foreign_draws is not None:
         foreign_draws.warn_if_moved(frame.region, stacklevel=caller_stacklevel() + 1)
     if preserve_rng_state and not cuda_was_up and torch.cuda.is_initialized():
@@ -538,3 +652,6 @@ def checkpoint(
 
 
 compile_.run_eagerly_under_dynamo(checkpoint)
+
+# The trace is an Observer, defined above: imported last.
+from ckptlib.core import trace  # noqa: E402

@@ -13,8 +13,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ckptlib.core.keys import TensorMeta
-from ckptlib.core.region import RegionId
+from ckptlib.core.errors import RegionId, TensorMeta
 
 __all__ = ["PackedInfo", "peek_saved", "peeking"]
 

@@ -11,7 +11,7 @@ was dropped, when the region ran again, where early stop cut it short and
 which backward node took each recomputed tensor.
 
 Off unless asked for. The core looks at ``open_traces`` once per call and
-per rerun; only then does it add a :class:`Tracer` to its observers, which names
+per recomputation; only then does it add a :class:`Tracer` to its observers, which names
 ops (``OpNames``, a torch-function mode, which costs a Python call per op) and
 builds events. So the trace costs nothing in a training loop that does not
 record one.
@@ -45,9 +45,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from ckptlib._arguments import function
-from ckptlib.core.keys import TensorMeta
-from ckptlib.core.region import RegionId
-from ckptlib.storage import storage_ptr
+from ckptlib.core.checkpoint import Observer
+from ckptlib.core.checks import storage_ptr
+from ckptlib.core.errors import RegionId, TensorMeta
 
 __all__ = ["TensorMeta", "TraceEvent", "CheckpointTrace", "record_trace", "EVENT_KINDS", "RegionId",
            "Tracer", "tracing_active", "open_traces"]
@@ -69,7 +69,6 @@ class TraceEvent:
     * ``forward_done``: ``total`` saved tensors dropped, ``nbytes`` freed, ``kept_bytes`` of
       them the region returns (alive while its output is);
     * ``recompute``: ``index`` (the tensor backward asked for), ``needed`` of ``total``;
-      ``again``: the recompute context asked for one more run;
     * ``early_stop``: ``index`` (the last needed), ``total``;
     * ``unpack``: ``index``, ``op`` (the backward node that took it);
     * ``release``: ``count`` recomputed tensors this backward did not use.
@@ -87,7 +86,6 @@ class TraceEvent:
     nbytes: int | None = None
     kept_bytes: int | None = None
     count: int | None = None
-    again: bool = False
 
     @property
     def detail(self) -> str:
@@ -104,8 +102,6 @@ class TraceEvent:
             return (f"{self.total} saved tensors dropped, {self.nbytes} bytes of activations "
                     f"freed{kept}; kept the inputs, RNG and autocast state")
         if kind == "recompute":
-            if self.again:
-                return "the recompute context asked to run again"
             return f"rerunning {self.region} for {self.needed} of {self.total} saved tensors"
         if kind == "early_stop":
             return f"all needed tensors back; skipped {self.total - self.index - 1} later saves"
@@ -227,8 +223,8 @@ class OpNames(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-class Tracer:
-    """The trace as an observer of one checkpoint call: one event per named point of the core."""
+class Tracer(Observer):
+    """The trace as an observer of one checkpoint call: one event per step of the core."""
 
     def __init__(self, echo: bool) -> None:
         self.echo = echo               # checkpoint(debug=True): print each event too
@@ -241,12 +237,13 @@ class Tracer:
     def emit(self, event: TraceEvent) -> None:
         publish(event, echo=self.echo)
 
-    def around_forward(self) -> ContextManager:
+    def before_forward(self, frame: Any) -> ContextManager:
         self.op_names = OpNames()
         return self.op_names
 
-    def on_pack(self, frame: Any, holder: Any, tensor: torch.Tensor, ptr: int | None) -> None:
+    def on_pack(self, frame: Any, holder: Any, tensor: torch.Tensor) -> None:
         meta = frame.meta(holder.index)
+        ptr = storage_ptr(tensor)
         earlier = self.counted.get(ptr) if ptr else None
         shared = holder.frees_memory and earlier is not None and not earlier[0].expired()
         if holder.frees_memory and not shared:
@@ -257,7 +254,7 @@ class Tracer:
         self.emit(TraceEvent("pack", frame.region, holder.index, op, meta,
                              frees_memory=holder.frees_memory, shared=shared))
 
-    def after_forward(self, frame: Any, output: Any) -> None:
+    def on_forward_done(self, frame: Any, output: Any) -> None:
         # A dropped tensor the region also returns (ReLU's output: the next block's input) stays
         # alive; its bytes, counted as freed at its pack, are taken back here.
         self.op_names = None
@@ -268,14 +265,14 @@ class Tracer:
         self.emit(TraceEvent("forward_done", frame.region, total=len(frame.keys),
                              nbytes=self.freed_bytes, kept_bytes=kept))
 
-    def on_recompute(self, frame: Any, trigger: int, needed: int, again: bool) -> None:
+    def on_recompute(self, frame: Any, trigger: int, needed: int) -> None:
         self.emit(TraceEvent("recompute", frame.region, trigger, needed=needed,
-                             total=len(frame.keys), again=again))
+                             total=len(frame.keys)))
 
     def on_early_stop(self, frame: Any, index: int) -> None:
         self.emit(TraceEvent("early_stop", frame.region, index, total=len(frame.keys)))
 
-    def on_unpack(self, frame: Any, task: int, holder: Any, tensor: torch.Tensor) -> None:
+    def on_unpack(self, frame: Any, holder: Any, tensor: torch.Tensor) -> None:
         self.emit(TraceEvent("unpack", frame.region, holder.index, frame.node_name()))
 
     def on_release(self, frame: Any, task: int, released: int) -> None:

@@ -34,7 +34,7 @@ from torch import nn
 from ckptlib.autograd_walk import TORCH_CHECKPOINT, SavedRecord, op_name, read_saved, walk
 from ckptlib.graph.modules import ModuleTrace
 from ckptlib.graph.nodes import AutogradGraph, GraphNode, SavedTensor
-from ckptlib.storage import storage_ptr
+from ckptlib.core.checks import storage_ptr
 
 __all__ = ["autograd_graph", "TORCH_CHECKPOINT", "Params"]
 

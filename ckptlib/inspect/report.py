@@ -29,6 +29,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ckptlib._arguments import got, integer
+from ckptlib.core.errors import dims_text
 from ckptlib.memory import format_bytes
 
 __all__ = ["SavedTensor", "ModuleTotals", "SavedTensorsReport", "STATE"]
@@ -190,7 +191,7 @@ class SavedTensorsReport:
                 row.op or "-",
                 row.node,
                 row.attribute,
-                "x".join(map(str, row.shape)) or "scalar",
+                dims_text(row.shape),
                 str(row.dtype).replace("torch.", ""),
                 format_bytes(row.nbytes),
                 row.storage,

@@ -19,9 +19,29 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckptlib.storage import storage_ptr
+from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpShape", "op_shape", "memory_of", "address", "input_addresses", "resizable_written"]
+from ckptlib.core.checks import storage_ptr
+
+__all__ = ["OpShape", "op_shape", "memory_of", "address", "input_addresses", "resizable_written",
+           "storage_bytes"]
+
+
+def storage_bytes(value: Any) -> dict[int, int]:
+    """storage pointer -> its size in bytes, for every tensor in ``value`` (a tensor, or any
+    nesting of lists, tuples and dicts of them), each storage once, those without memory left out.
+
+    >>> a = torch.zeros(4)
+    >>> list(storage_bytes({"a": a, "view": a[1:], "b": [torch.zeros(2)]}).values())
+    [16, 8]
+    """
+    sizes: dict[int, int] = {}
+    for tensor in tree_flatten(value)[0]:
+        if isinstance(tensor, torch.Tensor):
+            ptr = storage_ptr(tensor)
+            if ptr:
+                sizes[ptr] = tensor.untyped_storage().nbytes()
+    return sizes
 
 
 class OpShape(NamedTuple):

@@ -21,9 +21,7 @@ Imports point the other way, one layer down at a time, with no cycles: ``ops`` a
 at the bottom, then ``signatures`` and ``opgraph``, ``cache``, ``modes``, ``plans`` and
 ``costs``, and ``entry`` on top. Bad arguments are refused at the call by
 ``ckptlib._arguments``, as everywhere in ckptlib; a saved tensor's key comes from
-``ckptlib.core.keys`` and its storage from ``ckptlib.storage``, as in ``ckptlib.checkpoint``.
-
-(``ckptlib.policies``, the old single module, re-exports these names.)
+``ckptlib.core.checks`` (with its storage), as in ``ckptlib.checkpoint``.
 
 >>> import torch
 >>> from ckptlib.selective import save_matmuls, selective_checkpoint

@@ -110,7 +110,7 @@ from ckptlib.selective.ops import (
     tensors_of,
     versions_of,
 )
-from ckptlib.storage import storage_bytes
+from ckptlib.memory.allocations import storage_bytes
 
 
 def _shares_input_storage(output: Any, args: tuple) -> bool:
@@ -238,10 +238,12 @@ class OpCache:
         """Bytes the cache holds now (each storage once)."""
         return sum(
             storage_bytes(
-                t
-                for by_position in self.saved.values()
-                for saved in by_position.values()
-                for t in tensors_of(saved.value)
+                [
+                    t
+                    for by_position in self.saved.values()
+                    for saved in by_position.values()
+                    for t in tensors_of(saved.value)
+                ]
             ).values()
         )
 

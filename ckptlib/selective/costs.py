@@ -52,7 +52,7 @@ from ckptlib.selective.ops import (
     storages_of,
     tensors_of,
 )
-from ckptlib.storage import storage_ptr
+from ckptlib.core.checks import storage_ptr
 
 aten = torch.ops.aten
 

@@ -34,7 +34,8 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptlib._arguments import flags
-from ckptlib.core.errors import CheckpointError, RecomputeAgain
+from ckptlib.core.checkpoint import Frame, Observer
+from ckptlib.core.errors import CheckpointError
 from ckptlib.selective.cache import OpCache, make_entry, raise_shape_mismatch
 from ckptlib.selective.opgraph import OpGraph, Skip, from_template
 from ckptlib.selective.ops import (
@@ -55,12 +56,48 @@ from ckptlib.selective.signatures import next_node_number
 _as_predicate = as_predicate
 
 
-class SaveChosenOps(TorchDispatchMode):
+class RecomputeAgain(Exception):
+    """Raised during a recomputation to have the checkpoint run the function again from the
+    start, once: a result the selective rerun skipped turned out to be needed after all, and
+    skipping is off for the next run. Honoured by :class:`RecomputesAgainOnRequest`."""
+
+
+class RecomputesAgainOnRequest(Observer):
+    """What only selective checkpointing adds to a checkpoint's recomputation, as an observer of
+    it (a ``context_fn`` context that is an ``Observer`` joins the checkpoint's observers).
+
+    * ``on_fill``: a recomputed saved tensor on the *meta* device (a skipped result) where the
+      forward's was real asks :meth:`recompute_again` whether running the function again helps;
+      if so it raises :class:`RecomputeAgain`.
+    * ``run_recompute``: runs the recomputation, and once more on :class:`RecomputeAgain` (the
+      holders filled by the first run are filled again); a third request is an error.
+    """
+
+    def recompute_again(self) -> bool:
+        """Switch skipping off for the next run; may running again help? (No, here.)"""
+        return False
+
+    def on_fill(self, frame: Frame, index: int, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta" and frame.keys[index][2].type != "meta" \
+                and self.recompute_again():
+            raise RecomputeAgain
+
+    def run_recompute(self, frame: Frame, recompute: Callable[[], None]) -> None:
+        for _ in range(2):
+            try:
+                return recompute()
+            except RecomputeAgain:
+                pass
+        raise CheckpointError(f"checkpoint {frame.region}: the recompute context asked for a "
+                              "second recomputation, then for a third; giving up.")
+
+
+class SaveChosenOps(TorchDispatchMode, Observer):
     """Forward mode: run every op, and cache the outputs of those the policy chooses.
 
-    When the checkpoint reports the tensors it drops (``observe_saved_tensors``, called
-    by ``ckptlib.checkpoint``), it also records the op graph, from which the end of the
-    forward pass plans which calls the recomputation can skip.
+    As an observer of ``ckptlib.checkpoint`` (which reports the tensors it drops; torch's
+    checkpoint does not), it also records the op graph, from which the end of the forward pass
+    plans which calls the recomputation can skip.
     """
 
     @classmethod
@@ -76,16 +113,19 @@ class SaveChosenOps(TorchDispatchMode):
         cache.cap_every_op = bool(getattr(policy, "cap_every_op", False))
         self.skip_unneeded = skip_unneeded
 
-    def observe_saved_tensors(self) -> Callable[[torch.Tensor], None] | None:
-        """Called by ``ckptlib.checkpoint`` before forward: returns where to report each
-        tensor autograd saves (or ``None``: not interested), and starts the op graph."""
+    def before_forward(self, frame: Frame) -> None:
+        """``ckptlib.checkpoint`` will report each saved tensor: start the op graph."""
         if not self.skip_unneeded:
             return None
         self.cache.graph = OpGraph()
         if self.cache.plan_sink is not None:
             self.cache.graph.packs, self.cache.sequence_log = [], []
             self.cache.graph.input_storages = self.cache.input_storages
-        return self.cache.graph.note_saved
+        return None
+
+    def on_pack(self, frame: Frame, holder: Any, tensor: torch.Tensor) -> None:
+        if self.cache.graph is not None:
+            self.cache.graph.note_saved(tensor)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -128,7 +168,7 @@ class SaveChosenOps(TorchDispatchMode):
             raise exc_value.error from None
 
 
-class ReplaySavedOps(TorchDispatchMode):
+class ReplaySavedOps(TorchDispatchMode, RecomputesAgainOnRequest):
     """Recomputation mode: hand back cached outputs in forward order, skip the calls whose
     results nothing needs (empty stand-ins of the right shape), run every other op.
 
@@ -219,7 +259,7 @@ class ReplaySavedOps(TorchDispatchMode):
         return saved.replay(args)
 
     def recompute_again(self) -> bool:
-        """(``ckptlib.checkpoint`` protocol) A result this rerun skipped was needed after all:
+        """A result this rerun skipped was needed after all:
         switch skipping off for every later rerun of this call, and say whether running the
         function again can help (only if something was skipped)."""
         if self.skippable is None:

@@ -50,7 +50,7 @@ from ckptlib.selective.ops import (
     written_arguments,
 )
 from ckptlib.selective.signatures import fingerprint
-from ckptlib.storage import storage_ptr
+from ckptlib.core.checks import storage_ptr
 
 
 class Skip(NamedTuple):

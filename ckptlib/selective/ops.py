@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch._ops import OpOverload
 
-from ckptlib.storage import storage_ptrs
+from ckptlib.core.checks import storage_ptrs
 
 aten = torch.ops.aten
 

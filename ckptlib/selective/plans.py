@@ -46,8 +46,8 @@ import torch
 from torch._ops import OpOverload
 
 from ckptlib._arguments import qualname
-from ckptlib.core.checkpoint import is_recomputing
-from ckptlib.storage import storage_ptrs as input_ptrs
+from ckptlib.core.checkpoint import Observer, is_recomputing
+from ckptlib.core.checks import storage_ptrs as input_ptrs
 from ckptlib.selective.cache import OpCache, Saved
 from ckptlib.selective.modes import ReplaySavedOps, selective_contexts
 from ckptlib.selective.opgraph import OpGraph, Skip
@@ -124,7 +124,7 @@ class _Plan(NamedTuple):
         )
 
 
-class _PlannedForward:
+class _PlannedForward(Observer):
     """Forward context of a call that reuses a plan: no dispatch mode. Each tensor autograd
     saves (reported by ``ckptlib.checkpoint``) is checked against the plan's fingerprint, and
     those holding cached outputs fill the cache. If the saved tensors differ from the plan's
@@ -137,10 +137,7 @@ class _PlannedForward:
         self.parts: dict[tuple[OpOverload, int], list] = {}
         self.first_node = 0
 
-    def observe_saved_tensors(self) -> Callable[[torch.Tensor], None]:
-        return self._observe
-
-    def _observe(self, tensor: torch.Tensor) -> None:
+    def on_pack(self, frame: Any, holder: Any, tensor: torch.Tensor) -> None:
         index = self.count
         self.count = index + 1
         if not self.matches:

@@ -38,14 +38,14 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
-from ckptlib.core.keys import INPUT, saved_key
+from ckptlib.core.checks import INPUT, saved_key
 from ckptlib.selective.policy import Policy
-from ckptlib.storage import storage_ptr
+from ckptlib.core.checks import storage_ptr
 
 
 def fingerprint(tensor: torch.Tensor, input_storages: Collection[int], first_node: int) -> tuple:
     """What a reused plan checks of each saved tensor: the key a checkpoint's rerun checks
-    (:func:`ckptlib.core.keys.saved_key`: shape, dtype, device and the kind of autograd node that
+    (:func:`ckptlib.core.checks.saved_key`: shape, dtype, device and the kind of autograd node that
     made it, a view's base's, or "an input"), and the place of that node among the nodes the
     call created (``first_node``: the sequence number of the first)."""
     key = saved_key(tensor, storage_ptr(tensor), input_storages)

@@ -39,8 +39,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ckptlib.core.keys import TensorMeta
-from ckptlib.core.region import RegionId
+from ckptlib.core.errors import RegionId, TensorMeta, shape_text
 from ckptlib.core.trace import record_trace
 from ckptlib.graph import AutogradGraph, autograd_graph
 from ckptlib.memory import MemoryMeter, format_bytes
@@ -212,8 +211,7 @@ def op_words(op: str) -> str:
 
 
 def describe(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> str:
-    dims = "x".join(map(str, shape)) or "scalar"
-    return f"{dims} {str(dtype).replace('torch.', '')}, {format_bytes(nbytes)}"
+    return f"{shape_text(shape, dtype)}, {format_bytes(nbytes)}"
 
 
 def _describe(meta: TensorMeta) -> str:

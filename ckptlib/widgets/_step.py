@@ -51,12 +51,12 @@ from torch.utils._pytree import tree_leaves
 from ckptlib.apply import apply_checkpointing, repeated_layers
 from ckptlib.core.checkpoint import is_recomputing
 from ckptlib.core.peek import peek_saved
-from ckptlib.core.region import RegionId
+from ckptlib.core.errors import RegionId
 from ckptlib.core.trace import TraceEvent
 from ckptlib.graph import AutogradGraph, trace_modules
 from ckptlib.autograd_walk import walk as walk_nodes
 from ckptlib.memory import MemoryMeter, TimelineEntry
-from ckptlib.storage import storage_ptr, storage_ptrs
+from ckptlib.core.checks import storage_ptr, storage_ptrs
 
 __all__ = ["Step", "make_step", "Item", "BeforeOp", "Recorder", "recorder_hooks", "Slot",
            "GraphFacts", "find_slots", "trace_modules_of"]

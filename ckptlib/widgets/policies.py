@@ -53,7 +53,8 @@ from ckptlib.memory import MemoryMeter, format_bytes
 from ckptlib.models import TinyTransformer
 from ckptlib.selective.ops import tensors_of as _tensors
 from ckptlib import palette
-from ckptlib.storage import storage_ptr, storage_ptrs
+from ckptlib.core.checks import storage_ptr, storage_ptrs
+from ckptlib.core.errors import dims_text
 from ckptlib.widgets._timing import compare, interleaved, spread
 from ckptlib.widgets._view import WidgetView, png_bytes
 
@@ -329,7 +330,7 @@ class PolicyExplorer(WidgetView):
         for number, (row, box) in enumerate(zip(self.rows, self.checkboxes)):
             # Shapes wrap between one another (never inside one): the widest column stays narrow.
             shapes = ", ".join(
-                f"<span style='white-space:nowrap'>{'x'.join(map(str, shape))}</span>"
+                f"<span style='white-space:nowrap'>{dims_text(shape)}</span>"
                 for shape in row["input_shapes"])
             cells += [widgets.HTML(str(number)), box,
                       widgets.HTML(f"<span style='{_MONOSPACE}'>{row['op']}</span>"),

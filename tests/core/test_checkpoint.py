@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import sys
 import threading
 
 import pytest
@@ -21,6 +20,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 import ckptlib
 from ckptlib import CheckpointError, checkpoint, record_trace
 from ckptlib import RecomputeAgain, is_recomputing, peek_saved
+from ckptlib.selective.modes import RecomputesAgainOnRequest
 from tests._grads import assert_bitwise_equal
 
 
@@ -728,8 +728,7 @@ def test_unpack_outside_backward_recomputes_for_that_read_only():
     assert torch.equal(x.grad, x.detach().exp())
 
 
-def test_fallback_input_saver_for_older_torch(monkeypatch):
-    monkeypatch.setattr(sys.modules["ckptlib.core.inputs"], "_make_saved_tensor", None)
+def test_inputs_kept_as_saved_tensors_give_plain_gradients_alone_and_nested():
     torch.manual_seed(0)
     model = mlp()
     x = torch.randn(4, 8, requires_grad=True)
@@ -1019,10 +1018,10 @@ def test_input_modified_before_checkpoint_with_a_copying_outer_hook_is_fine():
 
 
 # ---------------------------------------------------------------------------
-# The RecomputeAgain protocol of recompute contexts
+# RecomputeAgain: selective checkpointing's observer of the recomputation, on any context
 # ---------------------------------------------------------------------------
 
-class MetaForSin(torch.utils._python_dispatch.TorchDispatchMode):
+class MetaForSin(torch.utils._python_dispatch.TorchDispatchMode, RecomputesAgainOnRequest):
     """A recompute context that, while ``wrong``, hands back a meta tensor for ``sin`` (as a
     wrong skip would), and agrees to run again, putting itself right, when asked."""
 
@@ -1059,7 +1058,7 @@ def test_a_meta_saved_tensor_asks_the_context_to_run_again():
 def test_recompute_again_is_honoured_once():
     runs = []
 
-    class Again:
+    class Again(RecomputesAgainOnRequest):
         def __enter__(self):
             runs.append(1)
 

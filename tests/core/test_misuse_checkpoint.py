@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from ckptlib import rng
-from ckptlib.core.keys import TensorMeta
+from ckptlib.core.errors import TensorMeta
 from ckptlib import checkpoint, record_trace
 from ckptlib.offload import offload_saved_tensors
 from ckptlib.sequential import checkpoint_sequential, measure_layer_costs
@@ -44,8 +44,8 @@ def enter_replay_of(state):
         pass
 
 
-def enter_in_use_of(state):
-    with rng.in_use(state):
+def enter_forward_registration_of(state):
+    with rng.ForwardRegistration(state):
         pass
 
 
@@ -210,10 +210,10 @@ TABLE = [
         ("replay: state must be an RNGState from rng.capture(...), got str",),
     ),
     Misuse(
-        "in_use",
-        lambda: enter_in_use_of(None),
+        "ForwardRegistration",
+        lambda: enter_forward_registration_of(None),
         TypeError,
-        ("in_use: state must be an RNGState from rng.capture(...), got NoneType",),
+        ("ForwardRegistration: state must be an RNGState from rng.capture(...), got NoneType",),
     ),
     # offload
     Misuse(

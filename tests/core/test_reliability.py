@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ckptlib import CheckpointError, checkpoint
 from ckptlib import StateUpdatedTwiceWarning, is_recomputing
-from ckptlib.policies import SelectivePlans, save_matmuls, selective_checkpoint
+from ckptlib.selective import SelectivePlans, save_matmuls, selective_checkpoint
 from ckptlib.sequential import checkpoint_sequential
 from tests._grads import assert_bitwise_equal, gradients
 
@@ -232,14 +232,26 @@ def test_an_optimizer_step_before_backward_is_refused_like_plain_autograd():
         out.sum().backward()
 
 
-UNREACHABLE: dict[str, torch.Tensor] = {}
+GLOBAL_WEIGHTS: dict[str, torch.Tensor] = {}
+
+
+class PlainHolder:
+    """A plain object (not a module): the walk does not look into its attributes."""
+
+    w: torch.Tensor
+    constant: torch.Tensor
+
+
+UNREACHABLE = PlainHolder()
 
 
 def captured(tensor):
     return lambda t: (t @ tensor).tanh()
 
 
-@pytest.mark.parametrize("case", ["bias", "bound_method", "closure", "partial", "saved_leaf"])
+@pytest.mark.parametrize(
+    "case", ["bias", "bound_method", "closure", "partial", "global", "saved_leaf"]
+)
 def test_tensors_read_from_outside_are_checked_and_named(case):
     torch.manual_seed(0)
     layer, block, w = (
@@ -247,7 +259,8 @@ def test_tensors_read_from_outside_are_checked_and_named(case):
         Block(),
         torch.randn(4, 4, requires_grad=True),
     )
-    UNREACHABLE["w"] = torch.randn(4, 4, requires_grad=True)
+    UNREACHABLE.w = torch.randn(4, 4, requires_grad=True)
+    GLOBAL_WEIGHTS["w"] = torch.randn(4, 4, requires_grad=True)
     cases = {  # (fn, the tensor an in-place update changes, the name in the message)
         "bias": (
             layer,
@@ -261,9 +274,14 @@ def test_tensors_read_from_outside_are_checked_and_named(case):
             w,
             "captured tensor `partial.keywords\\['weight'\\]`",
         ),
+        "global": (
+            lambda t: (t @ GLOBAL_WEIGHTS["w"]).tanh(),
+            GLOBAL_WEIGHTS["w"],  # a global name the code reads, one level into a dict
+            "captured tensor `GLOBAL_WEIGHTS\\['w'\\]`",
+        ),
         "saved_leaf": (
-            lambda t: (t @ UNREACHABLE["w"]).tanh(),
-            UNREACHABLE["w"],  # a global: not reached
+            lambda t: (t @ UNREACHABLE.w).tanh(),
+            UNREACHABLE.w,  # an attribute of a plain object: not reached
             "a tensor the region reads \\(4x4 float32 on cpu \\(64 bytes\\), a leaf that requires "
             "grad",
         ),
@@ -279,10 +297,10 @@ def test_tensors_read_from_outside_are_checked_and_named(case):
         out.sum().backward()
 
 
-SAVED_CONSTANT = torch.full((4,), 3.0)
+UNREACHABLE.constant = torch.full((4,), 3.0)
 
 
-@pytest.mark.parametrize("case", ["parameter", "buffer", "saved_global_constant"])
+@pytest.mark.parametrize("case", ["parameter", "buffer", "saved_unreached_constant"])
 def test_weights_buffers_and_saved_constants_changed_before_the_rerun_are_refused(case):
     # Which saved tensors free memory no longer treats every tensor without grad as one from
     # outside;
@@ -292,9 +310,9 @@ def test_weights_buffers_and_saved_constants_changed_before_the_rerun_are_refuse
     cases = {  # (fn, the tensor an in-place update changes, the name in the message)
         "parameter": (norm, norm.weight, "parameter `BatchNorm1d.weight`"),
         "buffer": (norm, norm.running_mean, "buffer `BatchNorm1d.running_mean`"),
-        "saved_global_constant": (
-            lambda t: t * SAVED_CONSTANT,
-            SAVED_CONSTANT,  # a global: not reached
+        "saved_unreached_constant": (
+            lambda t: t * UNREACHABLE.constant,
+            UNREACHABLE.constant,  # an attribute of a plain object: not reached
             "a tensor the region reads \\(4 float32 on cpu \\(16 bytes\\), a leaf that "
             "does not require grad: a constant",
         ),
