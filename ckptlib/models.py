@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from ckptlib._arguments import got, integer, number
 from ckptlib.schedules import Plan, registry
+from ckptlib.sequential import checkpoint_sequential
 
 # CHECKPOINTING_MODES: served by __getattr__ below, from the schedule registry
 __all__ = ["MLPChain", "TinyTransformer", "CHECKPOINTING_MODES"]  # noqa: F822
@@ -80,20 +81,6 @@ def _checked_batch_size(batch: object, seed: object, where: str) -> tuple[int, i
     return integer(batch, "batch", least=1, where=where), integer(seed, "seed", where=where)
 
 
-def _checkpoint_sequential():
-    """``ckptlib.sequential.checkpoint_sequential``, imported when a plan runs: a course build
-    without ``sequential`` still runs the per-block modes, and says what to use instead."""
-    try:
-        from ckptlib.sequential import checkpoint_sequential  # lazy import: an optional module
-    except ImportError as error:
-        raise ImportError(
-            "checkpointing='sqrt' and Plan objects run the blocks with "
-            "ckptlib.sequential.checkpoint_sequential, which could not be imported "
-            f"({error}). Use checkpointing='block' or 'torch' instead."
-        ) from error
-    return checkpoint_sequential
-
-
 def run_blocks(blocks: nn.Sequential, x: torch.Tensor,
                checkpointing: Checkpointing) -> torch.Tensor:
     """Run ``x`` through ``blocks`` the way ``checkpointing`` says (see the module docstring):
@@ -106,7 +93,7 @@ def run_blocks(blocks: nn.Sequential, x: torch.Tensor,
         if schedule.run is not None:
             return schedule.run(blocks, x)
         plan = schedule.make(len(blocks))
-    return _checkpoint_sequential()(blocks, plan, x)
+    return checkpoint_sequential(blocks, plan, x)
 
 
 class _DemoModel(nn.Module):

@@ -1,7 +1,7 @@
 """One training step, observed and told event by event: what ``BackwardStepper`` replays.
 
 ``StepReplay(make_step(model, (), batch))`` runs the step (``ckptlib.widgets._step``: what
-runs, and what watches it) and keeps its frames (one :class:`Frame` per event, with the
+runs, and what watches it) and keeps its frames (one :class:`AnimationFrame` per event, with the
 bytes alive and the state of every saved tensor), the saved tensors' descriptions and the
 autograd graph they sit in; the widget (``ckptlib.widgets.stepper``) only shows them.
 
@@ -47,7 +47,7 @@ from ckptlib.widgets._step import (
     BeforeOp, Item, Recorder, Slot, Step, find_slots, recorder_hooks, trace_modules_of,
 )
 
-__all__ = ["StepReplay", "Frame", "FRAME_KEYS", "describe", "op_words", "STATES"]
+__all__ = ["StepReplay", "AnimationFrame", "FRAME_KEYS", "describe", "op_words", "STATES"]
 
 STATES = ("saved", "dropped", "recomputed", "released")
 _EVENT_PHASE = {"pack": "forward", "forward_done": "forward", "recompute": "recompute",
@@ -67,7 +67,7 @@ def _base_name(region: RegionId) -> str:
 
 
 @dataclass(frozen=True, eq=False)
-class Frame(Mapping):
+class AnimationFrame(Mapping):
     """One event of the step as the stepper tells it; read ``frame.text`` or ``frame["text"]``.
 
     ``states`` is label -> state of every saved tensor packed so far, right after the event.
@@ -94,7 +94,7 @@ class Frame(Mapping):
         return len(FRAME_KEYS)
 
 
-FRAME_KEYS = tuple(f.name for f in fields(Frame))
+FRAME_KEYS = tuple(f.name for f in fields(AnimationFrame))
 
 
 class StepReplay:
@@ -160,7 +160,7 @@ class StepReplay:
                 slot_of_label[f"{self.region_of_raw[region]} #{index}"] = slot
         return graph, slot_of_label
 
-    def _metered_pass(self, all_ops: bool) -> tuple[list[Frame], int]:
+    def _metered_pass(self, all_ops: bool) -> tuple[list[AnimationFrame], int]:
         step = self.step
         recorder = Recorder(step.inputs)
         step.prepare()
@@ -174,7 +174,7 @@ class StepReplay:
                 loss.backward()
                 del loss
             recorder.reading()
-        frames = _Frames(recorder.items, self)
+        frames = _AnimationFrames(recorder.items, self)
         return (frames.all() if all_ops else frames.folded()), meter.peak_bytes
 
 
@@ -218,7 +218,7 @@ def _describe(meta: TensorMeta) -> str:
     return describe(meta.shape, meta.dtype, meta.nbytes)
 
 
-class _Frames:
+class _AnimationFrames:
     """Turns the metered pass's items into frames: states, words, and the rerun's packs placed.
 
     One method per item: ``on_op``, the outer hook's ``on_outer``, and one per trace kind
@@ -231,7 +231,7 @@ class _Frames:
         self.replay = replay
         self.labels = replay.outer_labels
         self.states: dict[str, str] = {}
-        self.out: list[Frame] = []
+        self.out: list[AnimationFrame] = []
         self.names: dict[RegionId, str] = {}          # region -> display name
         self.first_packs: dict[RegionId, dict[int, Item]] = {}
         self.forward_done: dict[RegionId, int] = {}
@@ -253,8 +253,9 @@ class _Frames:
                                    "(no branches on random numbers or on a counter).")
         return self.names[region]
 
-    def all(self) -> list[Frame]:
-        queue: list[tuple[int, Frame, str | None]] = []   # rerun packs: (op stamp, frame, state)
+    def all(self) -> list[AnimationFrame]:
+        # rerun packs: (op stamp, frame, state)
+        queue: list[tuple[int, AnimationFrame, str | None]] = []
         for position, item in enumerate(self.items):
             starts_rerun = item.kind == "trace" and item.event.kind == "recompute"
             if starts_rerun:
@@ -276,17 +277,18 @@ class _Frames:
             self._add(frame, state)
         return self.out
 
-    def folded(self) -> list[Frame]:
+    def folded(self) -> list[AnimationFrame]:
         """The frames without the ops that changed no memory (views, ops whose output replaced a
         freed one): the live-bytes curve and its peak stay the same."""
-        kept: list[Frame] = []
+        kept: list[AnimationFrame] = []
         for frame in self.all():
             same = kept and frame.live_bytes == kept[-1].live_bytes
             if not (frame.event.endswith("_op") and same):
                 kept.append(frame)
         return kept
 
-    def _add(self, frame: Frame, state: str | None = None, released: tuple[str, ...] = ()) -> None:
+    def _add(self, frame: AnimationFrame, state: str | None = None,
+             released: tuple[str, ...] = ()) -> None:
         """Append ``frame``: its tensor takes ``state`` (if given), every label in ``released`` is
         released, and the frame keeps every tensor's state after that."""
         if state is not None:
@@ -307,7 +309,7 @@ class _Frames:
         if freed > 0:
             text += (f"; before it ran, {format_bytes(freed)} freed: tensors nothing refers to "
                      "any more")
-        self._add(Frame(f"{item.phase}_op", item.phase, text, item.live, op=item.op))
+        self._add(AnimationFrame(f"{item.phase}_op", item.phase, text, item.live, op=item.op))
 
     def on_outer(self, item: Item) -> None:
         label = self.labels.get(item.order, f"kept #{item.order}")
@@ -329,16 +331,17 @@ class _Frames:
                     text += f", a {owner}'s own memory: nothing extra"
                 elif owner == "leaf" or item.made_before:
                     text += ", an input of the step, made before it: nothing extra"
-            self._add(Frame("pack", "forward", text, item.live, label, region), "saved")
+            self._add(AnimationFrame("pack", "forward", text, item.live, label, region), "saved")
         elif item.kind == "unpack":
             text = (f"{region} rerun: loads its kept input" if region is not None
                     else f"{holder} unpacks {label}")
             phase = "backward" if region is None else "recompute"
-            self._add(Frame("unpack", phase, text, item.live, label, region))
+            self._add(AnimationFrame("unpack", phase, text, item.live, label, region))
         else:
             why = "its checkpoint is done" if slot is None else f"{holder} has run"
             text = f"{label} released: {why}"
-            self._add(Frame("release", "backward", text, item.live, label, region), "released")
+            self._add(AnimationFrame("release", "backward", text, item.live, label, region),
+                      "released")
 
     def _node_of(self, label: str) -> dict[str, Any]:
         slot = self.replay.slot_of_label.get(label)
@@ -350,10 +353,10 @@ class _Frames:
         region = self.region_name(item)
         label = f"{region} #{event.index}" if event.index is not None else None
         phase = "recompute" if item.recomputing else _EVENT_PHASE[event.kind]
-        frame = Frame(event.kind, phase, "", item.live, tensor=label, region=region)
+        frame = AnimationFrame(event.kind, phase, "", item.live, tensor=label, region=region)
         getattr(self, f"on_{event.kind}")(item, frame, position)
 
-    def on_pack(self, item: Item, frame: Frame, position: int) -> None:
+    def on_pack(self, item: Item, frame: AnimationFrame, position: int) -> None:
         event = item.event
         # A pack right before a checkpoint nobody has seen yet is that checkpoint keeping its input.
         following = next((later for later in self.items[position + 1:] if later.kind == "trace"),
@@ -380,24 +383,23 @@ class _Frames:
             text += f", {whose}: dropping frees nothing"
         self._add(replace(frame, text=text), "dropped")
 
-    def on_forward_done(self, item: Item, frame: Frame, position: int) -> None:
+    def on_forward_done(self, item: Item, frame: AnimationFrame, position: int) -> None:
         self.forward_done.setdefault(item.event.region, item.ops)
         self._add(replace(frame, text=f"{frame.region} forward done: {item.event.detail}"))
 
-    def on_recompute(self, item: Item, frame: Frame, position: int) -> None:
+    def on_recompute(self, item: Item, frame: AnimationFrame, position: int) -> None:
         event, region = item.event, frame.region
         self.last_recompute = item
-        why = (f"({event.detail})" if event.again else
-               f"for {event.needed} of {event.total} saved tensors")
+        why = f"for {event.needed} of {event.total} saved tensors"
         self._add(replace(frame, text=f"backward needs {region}'s tensor #{event.index}, which "
                                       f"was dropped: {region} reruns {why}"))
 
-    def on_early_stop(self, item: Item, frame: Frame, position: int) -> None:
+    def on_early_stop(self, item: Item, frame: AnimationFrame, position: int) -> None:
         event = item.event
         text = f"{frame.region} rerun: early stop at tensor #{event.index} ({event.detail})"
         self._add(replace(frame, text=text))
 
-    def on_unpack(self, item: Item, frame: Frame, position: int) -> None:
+    def on_unpack(self, item: Item, frame: AnimationFrame, position: int) -> None:
         event, loading = item.event, self.last_recompute
         if loading is not None and loading.ops == item.ops and loading.event.region != event.region:
             # The first thing a nested checkpoint's rerun does: load its input, an outer tensor.
@@ -410,14 +412,14 @@ class _Frames:
             frame = replace(frame, text=text)
         self._add(frame, "released")
 
-    def on_release(self, item: Item, frame: Frame, position: int) -> None:
+    def on_release(self, item: Item, frame: AnimationFrame, position: int) -> None:
         unused = tuple(label for label, state in self.states.items() if state == "recomputed"
                        and self.replay.tensors[label]["region"] == frame.region)
         text = f"{frame.region}: {item.event.detail}, released"
         self._add(replace(frame, text=text), released=unused)
 
     # -- the rerun's packs ----------------------------------------------------------
-    def _rerun_packs(self, position: int) -> list[tuple[int, Frame, str | None]]:
+    def _rerun_packs(self, position: int) -> list[tuple[int, AnimationFrame, str | None]]:
         """Frames for the packs of the rerun that starts at item ``position``, with their op stamps
         and the state each gives its tensor."""
         start = self.items[position]
@@ -441,7 +443,7 @@ class _Frames:
             text = (f"{name} rerun: packs tensor #{index}, {_describe(packs[index].event.meta)}"
                     + ("" if needed else ", not needed any more") + known)
             live = self._live_at(stamps[index], start)
-            frame = Frame("pack", "recompute", text, live, label, name)
+            frame = AnimationFrame("pack", "recompute", text, live, label, name)
             queue.append((stamps[index], frame, "recomputed" if needed else None))
         return queue
 

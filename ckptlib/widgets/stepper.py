@@ -91,9 +91,9 @@ class BackwardStepper(WidgetView):
             they were (a view, a transpose) gets none. The curve and its peak are the same.
 
     Attributes:
-        frames: one :class:`~ckptlib.widgets._replay.Frame` per event, in order (a read-only
-            mapping: ``frame["text"]`` or ``frame.text``), with ``"event"`` (``"forward_op"``,
-            ``"recompute_op"``, ``"backward_op"``, or a ``record_trace`` kind: ``"pack"``,
+        frames: one :class:`~ckptlib.widgets._replay.AnimationFrame` per event, in order (a
+            read-only mapping: ``frame["text"]`` or ``frame.text``), with ``"event"``
+            (``"forward_op"``, ``"recompute_op"``, ``"backward_op"``, or a ``record_trace`` kind: ``"pack"``,
             ``"forward_done"``, ``"recompute"``, ``"early_stop"``, ``"unpack"``,
             ``"release"``), ``"phase"`` (``"forward"``, ``"recompute"``, ``"backward"``),
             ``"text"`` (the event in words), ``"live_bytes"`` (the exact live-tensor

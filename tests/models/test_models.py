@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
@@ -126,13 +125,6 @@ def test_bad_checkpointing_values_list_the_valid_ones(bad):
         model.checkpointing = bad
     assert model.checkpointing == "none"
     assert CHECKPOINTING_MODES == ("none", "block", "torch", "sqrt", "selective")
-
-
-def test_sqrt_without_checkpoint_sequential_says_what_to_use(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ckptlib.sequential", None)  # import now fails
-    model = small_mlp(checkpointing="sqrt")
-    with pytest.raises(ImportError, match="checkpointing='block' or 'torch'"):
-        model.training_step(model.example_batch(batch=2))
 
 
 def test_invalid_sizes_are_refused():

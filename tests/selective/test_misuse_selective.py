@@ -403,19 +403,16 @@ def test_plans_warn_once_where_they_cannot_help():
     assert plans.reused == 0
 
 
-def test_the_old_import_path_gives_the_same_objects():
+def test_the_top_level_names_are_selectives_own():
     import ckptlib
-    import ckptlib.policies as old
-    import ckptlib.selective as new
+    import ckptlib.selective as selective
 
-    for name in new.__all__:
-        assert getattr(old, name) is getattr(new, name), name
-    assert (
-        old.OpGraph is new.opgraph.OpGraph and old.call_signature is new.signatures.call_signature
-    )
-    assert ckptlib.selective_checkpoint is new.selective_checkpoint
+    for name in ("selective_checkpoint", "save_matmuls", "megatron_attention",
+                 "policy_from_costs", "SelectivePlans"):
+        assert getattr(ckptlib, name) is getattr(selective, name), name
+    assert ckptlib.RecomputeAgain is selective.modes.RecomputeAgain
     with pytest.raises(AttributeError, match="no attribute '_nothing_here'"):
-        old._nothing_here
+        ckptlib._nothing_here
 
 
 def _reads_a_value_into_python(t: torch.Tensor) -> torch.Tensor:
