@@ -93,8 +93,8 @@ class BackwardStepper(WidgetView):
     Attributes:
         frames: one :class:`~ckptlib.widgets._replay.AnimationFrame` per event, in order (a
             read-only mapping: ``frame["text"]`` or ``frame.text``), with ``"event"``
-            (``"forward_op"``, ``"recompute_op"``, ``"backward_op"``, or a ``record_trace`` kind: ``"pack"``,
-            ``"forward_done"``, ``"recompute"``, ``"early_stop"``, ``"unpack"``,
+            (``"forward_op"``, ``"recompute_op"``, ``"backward_op"``, or a ``record_trace`` kind:
+            ``"pack"``, ``"forward_done"``, ``"recompute"``, ``"early_stop"``, ``"unpack"``,
             ``"release"``), ``"phase"`` (``"forward"``, ``"recompute"``, ``"backward"``),
             ``"text"`` (the event in words), ``"live_bytes"`` (the exact live-tensor
             meter, right after the event), ``"tensor"`` (the label of the saved tensor the
