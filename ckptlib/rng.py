@@ -110,8 +110,8 @@ def snapshot(cuda_devices: tuple[int, ...],
     return RNGState(
         torch.default_generator.get_state(),
         cuda_devices,
-        tuple(torch.cuda.get_rng_state(d) for d in cuda_devices),
-        tuple((g, g.get_state()) for g in generators),
+        tuple(map(torch.cuda.get_rng_state, cuda_devices)),
+        tuple([(g, g.get_state()) for g in generators]),
     )
 
 

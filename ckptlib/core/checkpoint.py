@@ -44,11 +44,11 @@ import itertools
 import sys
 import threading
 import weakref
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, NamedTuple
 
 import torch
 import torch.autograd.forward_ad as forward_ad
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_is_leaf, tree_unflatten
 
 from ckptlib import rng
 from ckptlib._arguments import check_not_reentrant, flag, got
@@ -164,26 +164,65 @@ def function_name(fn: Any) -> str:
 # ---------------------------------------------------------------------------
 
 class Arguments:
-    """``(args, kwargs)`` as a pytree, without its tensors (those are kept as saved tensors):
-    :meth:`rebuild` puts the rerun's tensors where they were."""
+    """A call's arguments without their tensors (those are kept as saved tensors): each
+    positional argument and keyword value is a pytree (a tensor; a list, tuple or dict of them;
+    a namedtuple, a registered dataclass ...); :meth:`rebuild` puts the rerun's tensors back where
+    the tensors were."""
 
     def __init__(self, args: tuple, kwargs: dict) -> None:
-        leaves, self.spec = tree_flatten((args, kwargs), is_leaf=_is_size)
-        self.positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        # what is not a tensor, where it was (also where the caller's generators are looked for)
-        self.leaves = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        self.names = tuple(kwargs)   # the keywords, after the positional arguments
+        # per argument: the value itself (None for a tensor), or a _Flat for a container
+        self.values: list[Any] = []
+        self.tensor_places: list[tuple[int, int | None]] = []   # (argument, leaf) per tensor
+        self.tensors: list[torch.Tensor] = []   # handed to the frame, then dropped (see split)
+        self.others: list[Any] = []   # the other leaves (where the caller's generators may be)
+        for position, value in enumerate((*args, *kwargs.values())):
+            if tree_is_leaf(value, is_leaf=_is_size):
+                if isinstance(value, torch.Tensor):
+                    self.tensor_places.append((position, None))
+                    self.tensors.append(value)
+                    value = None
+                else:
+                    self.others.append(value)
+                self.values.append(value)
+                continue
+            flat = _Flat(*tree_flatten(value, is_leaf=_is_size))
+            for index, leaf in enumerate(flat.leaves):
+                if isinstance(leaf, torch.Tensor):
+                    self.tensor_places.append((position, index))
+                    self.tensors.append(leaf)
+                    flat.leaves[index] = None
+                else:
+                    self.others.append(leaf)
+            self.values.append(flat)
 
-    @staticmethod
-    def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-        leaves = tree_flatten((args, kwargs), is_leaf=_is_size)[0]
-        return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    @classmethod
+    def split(cls, args: tuple, kwargs: dict) -> tuple["Arguments", list[torch.Tensor]]:
+        """The arguments without their tensors, and the tensors: the frame keeps those as saved
+        tensors only (an outer checkpoint must be able to drop them)."""
+        arguments = cls(args, kwargs)
+        tensors, arguments.tensors = arguments.tensors, []
+        return arguments, tensors
 
-    def rebuild(self, tensors: list[torch.Tensor]) -> tuple[Any, dict]:
+    def rebuild(self, tensors: list[torch.Tensor]) -> tuple[list, dict]:
         """``(args, kwargs)`` again, with ``tensors`` where the tensors were."""
-        leaves = list(self.leaves)
-        for position, tensor in zip(self.positions, tensors):
-            leaves[position] = tensor
-        return tree_unflatten(leaves, self.spec)
+        values = [_Flat(list(v.leaves), v.spec) if isinstance(v, _Flat) else v
+                  for v in self.values]
+        for (position, index), tensor in zip(self.tensor_places, tensors):
+            if index is None:
+                values[position] = tensor
+            else:
+                values[position].leaves[index] = tensor
+        values = [tree_unflatten(v.leaves, v.spec) if isinstance(v, _Flat) else v for v in values]
+        split = len(values) - len(self.names)
+        return values[:split], dict(zip(self.names, values[split:]))
+
+
+class _Flat(NamedTuple):
+    """One argument that is a container, flattened: its leaves, and how to put them back."""
+
+    leaves: list
+    spec: Any
 
 
 def _is_size(value: Any) -> bool:
@@ -239,14 +278,14 @@ class Frame:
     """Everything one ``checkpoint`` call needs to run its function again later."""
 
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict, preserve_rng_state: bool,
-                 early_stop: bool, contexts: tuple[ContextManager, ContextManager],
+                 early_stop: bool, contexts: tuple[ContextManager | None, ContextManager | None],
                  check_keys: bool, observers: list[Observer]) -> None:
         self.fn, self.number = fn, next(_region_numbers)
-        self.arguments = Arguments(args, kwargs)
-        tensors = Arguments.tensors_of(args, kwargs)
+        self.arguments, tensors = Arguments.split(args, kwargs)
         self.inputs = save_inputs(tensors)   # None once nothing will be recomputed
-        self.checks = Checks(fn, tensors, self.arguments.leaves)   # step 6, called by name
-        self.rng = rng.capture(tensors, self.checks.generators) if preserve_rng_state else None
+        self.checks = Checks(fn, tensors, self.arguments.others)   # step 6, called by name
+        self.rng = rng.snapshot(rng.cuda_devices_of(tensors), self.checks.generators) \
+            if preserve_rng_state else None
         self.rng_after: rng.RNGState | None = None
         self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
         self.autocast = autocast_state()
@@ -346,7 +385,7 @@ class Frame:
 
     def recompute(self, task: int, last_needed: int) -> None:
         """Run ``fn`` again from the kept inputs under :class:`Fill` (steps 2 to 4)."""
-        watch = self.checks.before_recompute(self.region)
+        watch = self.checks.before_recompute(self)
         tensors = [rerun_input(saved.unpack()) for saved in self.inputs]
         args, kwargs = self.arguments.rebuild(tensors)
         fill = Fill(self, task, last_needed, storage_ptrs(tensors))
@@ -362,21 +401,24 @@ class Frame:
                 if autocast_state() != self.autocast:   # step 3: the forward's autocast state
                     for device, enabled, dtype in self.autocast:
                         stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-                stack.enter_context(self.recompute_context)
-                stack.enter_context(fill)
-                stack.enter_context(torch.enable_grad())   # off in backward: the rerun records
-                stack.enter_context(_recomputing())
-                try:
-                    self.fn(*args, **kwargs)
-                except StopRecomputation:   # step 4, caught here: the contexts exit normally
-                    pass
+                if self.recompute_context is not None:
+                    stack.enter_context(self.recompute_context)
+                # the second pack hook; grad mode is off in backward: the rerun records a graph
+                with fill, torch.enable_grad():
+                    _thread.recompute_depth += 1
+                    try:
+                        self.fn(*args, **kwargs)
+                    except StopRecomputation:   # step 4, caught here: the contexts exit normally
+                        pass
+                    finally:
+                        _thread.recompute_depth -= 1
         except BaseException as error:
             failure = error
         try:
-            self.checks.after_recompute(self.region, failure)
+            self.checks.after_recompute(self, failure)
         except BaseException as refusal:   # a check's refusal takes the failure's place
             failure = refusal
-        if failure is not None and not fill.stopped:
+        if failure is not None and not fill.hook.stopped:
             # Code between the hook and here may wrap the early stop in its own exception
             # (TorchScript re-raises it as a RuntimeError): once stopped, every needed holder
             # is filled.
@@ -388,9 +430,9 @@ class Frame:
         if self.rng is not None:
             shared = rng.shared_with_another_thread(self.rng, self.rng_after,
                                                     self.rng_overlap | replay.overlapped)
-        if shared or fill.count <= last_needed:
+        if shared or fill.hook.count <= last_needed:
             raise CheckpointError(f"checkpoint {self.region}: " + (shared or errors.saved_fewer(
-                len(self.keys), fill.count, self.checks.mismatch_causes())))
+                len(self.keys), fill.hook.count, self.checks.mismatch_causes())))
 
     def release(self, task: int) -> None:
         """Drop the recomputed tensors of backward pass ``task`` that nobody took (step 5)."""
@@ -404,15 +446,6 @@ class Frame:
             observer.on_release(self, task, released)
 
 
-@contextlib.contextmanager
-def _recomputing():
-    _thread.recompute_depth += 1
-    try:
-        yield
-    finally:
-        _thread.recompute_depth -= 1
-
-
 class Fill(torch.autograd.graph.saved_tensors_hooks):
     """The rerun's pack hook (step 2): the i-th tensor the rerun saves goes into the i-th holder,
     its key compared with the forward's (step 6); early stop after the last needed one (step 4).
@@ -424,14 +457,6 @@ class Fill(torch.autograd.graph.saved_tensors_hooks):
     def __init__(self, frame: Frame, task: int, last_needed: int, input_ptrs: set[int]) -> None:
         self.hook = _FillHook(frame, task, last_needed, input_ptrs)
         super().__init__(self.hook, _identity)
-
-    @property
-    def count(self) -> int:
-        return self.hook.count
-
-    @property
-    def stopped(self) -> bool:
-        return self.hook.stopped
 
 
 class _FillHook:
@@ -460,7 +485,7 @@ class _FillHook:
             if key != keys[index]:
                 raise CheckpointError(f"checkpoint {frame.region}: " + (
                     frame.checks.lost_transform() or key_mismatch(index, keys[index], key)))
-            frame.checks.on_fill(frame.region, index, tensor, ptr)
+            frame.checks.on_fill(frame, index, tensor, ptr)
         detached = tensor.detach()
         holder = frame.holders[index]()
         if holder is not None:   # with its version, as autograd keeps a saved tensor's
@@ -536,11 +561,11 @@ def check_arguments(fn: Any, flags: dict[str, Any], context_fn: Any, use_reentra
 
 
 def checkpoint_contexts(context_fn: Callable[[], Any] | None
-                        ) -> tuple[ContextManager, ContextManager]:
-    """The (forward, recompute) pair ``context_fn`` returns, checked; two null contexts for
-    None."""
+                        ) -> tuple[ContextManager | None, ContextManager | None]:
+    """The (forward, recompute) pair ``context_fn`` returns, checked; ``(None, None)`` for None
+    (nothing to enter)."""
     if context_fn is None:
-        return contextlib.nullcontext(), contextlib.nullcontext()
+        return None, None
     contexts = context_fn()
     if not (isinstance(contexts, (tuple, list)) and len(contexts) == 2
             and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in contexts)):
@@ -624,15 +649,15 @@ def checkpoint(
     cuda_was_up = torch.cuda.is_initialized()
     rng_use = rng.ForwardRegistration(frame.rng) if frame.rng is not None else None
     returned = False
-    with contextlib.ExitStack() as stack:
-        if rng_use is not None:   # registered as a user of its generators (threads, rng.py)
-            stack.enter_context(rng_use)
-        forward_contexts = [observer.before_forward(frame) for observer in observers]
-        stack.enter_context(frame.forward_context)
+    forward_contexts = [rng_use, frame.forward_context,
+                        *[observer.before_forward(frame) for observer in observers]]
+    # Under the pack and unpack hooks (step 1): the registration as a user of the region's
+    # generators (threads, rng.py), context_fn's forward context, the observers' (the trace's).
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), \
+            contextlib.ExitStack() as stack:
         for context in forward_contexts:
             if context is not None:
                 stack.enter_context(context)
-        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack))
         try:
             output = fn(*args, **kwargs)
             returned = True

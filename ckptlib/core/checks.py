@@ -353,7 +353,7 @@ class Checks:
         self.read = read
 
     # -- rerun --------------------------------------------------------------------------
-    def before_recompute(self, region: object) -> TorchDispatchMode | None:
+    def before_recompute(self, frame: Any) -> TorchDispatchMode | None:
         """Refuse a rerun from changed inputs or saved leaves; return the watch over the other
         reads (``None`` when none of them changed: nothing to enter)."""
         message = self.input_modified_by_fn
@@ -367,22 +367,23 @@ class Checks:
             if message is None and leaf is not None and leaf._version != version:
                 message = errors.read_modified(self.name_of(leaf), version, leaf._version)
         if message is not None:
-            raise CheckpointError(f"checkpoint {region}: {message}")
+            raise CheckpointError(f"checkpoint {frame.region}: {message}")
         self._before = [t.clone() for t in self.written]
         stale = [(t, version) for t, version in self.read if t._version != version]
         self._keep = {id(t) for t, _ in stale}
-        self._watch = _StaleReads(self, region, stale) if stale else None
+        self._watch = _StaleReads(self, frame, stale) if stale else None
         return self._watch
 
-    def on_fill(self, region: object, index: int, tensor: torch.Tensor, ptr: int | None) -> None:
+    def on_fill(self, frame: Any, index: int, tensor: torch.Tensor, ptr: int | None) -> None:
         """The rerun's saved parameter must be the forward's (check 2)."""
         forward_leaf = self.leaf_ids.get(index)
         if forward_leaf is not None and forward_leaf[1] != ptr \
                 and forward_leaf[0] != id(_leaf_of(tensor)):
             meta = TensorMeta.of(tensor)
-            raise CheckpointError(f"checkpoint {region}: {errors.replaced_parameter(index, meta)}")
+            raise CheckpointError(
+                f"checkpoint {frame.region}: {errors.replaced_parameter(index, meta)}")
 
-    def after_recompute(self, region: object, error: BaseException | None) -> None:
+    def after_recompute(self, frame: Any, error: BaseException | None) -> None:
         """The next rerun's baselines; a stale read refused as itself; state written twice."""
         # What the rerun wrote is the next rerun's start; a tensor changed since the forward
         # (`_keep`: the next rerun must still not read it) keeps the forward's version.
@@ -404,7 +405,7 @@ class Checks:
             if owner in _warned:
                 continue
             _warned.add(owner)
-            warnings.warn(errors.state_updated_twice(region, description),
+            warnings.warn(errors.state_updated_twice(frame.region, description),
                           StateUpdatedTwiceWarning, stacklevel=caller_stacklevel())
 
     # -- words for messages -------------------------------------------------------------
@@ -462,10 +463,9 @@ class _StaleReads(TorchDispatchMode):
     forward, matched by identity or by storage (a view of it made before the forward). Pushed
     only when such a tensor exists, so a rerun without one runs with no per-op Python code."""
 
-    def __init__(self, checks: Checks, region: object,
-                 stale: list[tuple[torch.Tensor, int]]) -> None:
+    def __init__(self, checks: Checks, frame: Any, stale: list[tuple[torch.Tensor, int]]) -> None:
         super().__init__()
-        self.checks, self.region = checks, region
+        self.checks, self.frame = checks, frame
         self.by_id = {id(tensor): (tensor, version) for tensor, version in stale}
         self.by_storage = {ptr: (tensor, version) for tensor, version in stale
                            if (ptr := storage_ptr(tensor))}
@@ -478,7 +478,7 @@ class _StaleReads(TorchDispatchMode):
                     hit = self.by_id.get(id(arg)) or self.by_storage.get(storage_ptr(arg))
                     if hit is not None:
                         tensor, version = hit
-                        self.message = (f"checkpoint {self.region}: " + errors.read_modified(
+                        self.message = (f"checkpoint {self.frame.region}: " + errors.read_modified(
                             self.checks.name_of(tensor), version, tensor._version))
                         raise CheckpointError(self.message)
         return func(*args, **(kwargs or {}))
