@@ -3,9 +3,11 @@
     python benchmarks/region_cost.py [--rounds 30] [--json benchmarks/results/region_cost.json]
                                      [--markdown benchmarks/README.md] [--from-json FILE]
 
-Three workloads, each one training step (forward, ``square().sum()``, backward):
+Four workloads, each one training step (forward, ``square().sum()``, backward):
 
-* a tiny region: ``torch.sin`` of 4 numbers (almost no work: the fixed cost of a region);
+* two tiny regions (almost no work: the fixed cost of a region): ``torch.sin`` of 4 numbers, and
+  a plain Python function that calls it (what a user's function is; the checkpoint treats both
+  alike);
 * an ``MLPChain`` block (Linear + ReLU, width 256, batch 8);
 * a ``TinyTransformer`` block (d_model 128, 4 heads, seq 64, batch 8).
 
@@ -15,12 +17,12 @@ Variants, all in one run, interleaved (each round runs every variant once, in a 
 * ``floor``: the bare hook-based checkpoint of this file (pack a handle; the first unpack reruns
   the function once under a second hook that fills the handles): no RNG, no checks;
 * ``ckptlib, no early stop``: ``ckptlib.checkpoint`` with ``preserve_rng_state=False``,
-  ``determinism_check="none"``, ``early_stop=False`` and its guards observer replaced by one
-  that does nothing (in this script only); ``ckptlib, hooks only``: the same with early stop
-  (the rerun stops at its last needed tensor by raising an exception from the pack hook, which
+  ``determinism_check="none"``, ``early_stop=False`` and its checks (``core/checks.py``)
+  replaced by ones that check nothing (in this script only); ``ckptlib, hooks only``: the same
+  with early stop (the rerun stops at its last needed tensor by raising an exception from the pack hook, which
   unwinds through the op's C++ code: torch's checkpoint stops the same way);
 * ``+ RNG``: the same with the RNG captured and replayed; ``+ keys``: and each saved tensor's
-  key compared; ``ckptlib``: as shipped, every guard on.
+  key compared; ``ckptlib``: as shipped, every check on.
 
 The cost of a variant is its step time minus the plain step's, so the work of the region itself
 cancels out; the breakdown subtracts neighbouring variants: Python (the frame, holders,
@@ -30,8 +32,12 @@ round (timeit's rule: whatever else the machine does only adds time, and every v
 same chances at a quiet moment, since the rounds interleave them); the median and quartiles of
 the rounds are reported beside them, so a spread wider than a difference says it is noise.
 
-Beside the times: how many ckptlib functions one step runs, and in which files
-(:func:`calls_per_step`; exact, not a timing).
+Guards, not targets (printed after the tables, from the same run): the plain Python
+function's region costs at most 0.8x what torch's checkpoint costs, and an MLP and a Transformer
+block's step takes at most 1.0x torch's.
+
+Beside the times: the reading path, the ckptlib files, lines and functions one step of the plain
+Python function runs (:func:`calls_per_step`, with ``sys.setprofile``; exact, not a timing).
 """
 
 from __future__ import annotations
@@ -51,7 +57,8 @@ import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckptlib
-from ckptlib.core import guards
+from ckptlib.core import checkpoint as core_checkpoint
+from ckptlib.core.checks import storage_ptrs
 from ckptlib.models import MLPChain, TinyTransformer
 
 
@@ -91,17 +98,28 @@ def floor_checkpoint(fn: Callable[..., Any], *args: torch.Tensor) -> Any:
         return fn(*args)
 
 
-class _NoGuards:
-    """Guards that check nothing (``ckptlib, hooks only`` and ``+ RNG``, ``+ keys``): the core
-    still calls them, so the guards row counts what the checks do, not the calls."""
+def python_sin(t: torch.Tensor) -> torch.Tensor:
+    """A plain Python function: the tiny region as a user writes one."""
+    return torch.sin(t)
+
+
+class _NoChecks:
+    """Checks that check nothing (``ckptlib, hooks only`` and ``+ RNG``, ``+ keys``): the core
+    still calls them, so the checks row counts what the checks do, not the calls. (The inputs'
+    storages stay known: the keys mark a saved input as one.)"""
+
+    generators: list = []
 
     def __init__(self, fn: Any, inputs: list[torch.Tensor], *rest: Any) -> None:
-        self.reads = self   # and reads that watch nothing
+        self.input_ptrs = storage_ptrs(inputs)
 
     def on_pack(self, *args: Any) -> None:
         pass
 
-    on_fill = after_forward = after_rerun = before_rerun = on_pack
+    on_fill = after_forward = after_recompute = on_pack
+
+    def before_recompute(self, frame: Any) -> None:
+        return None
 
     def mismatch_causes(self) -> str:
         return ""
@@ -111,13 +129,13 @@ class _NoGuards:
 
 
 @contextlib.contextmanager
-def _guards_off() -> Iterator[None]:
-    original = guards.Guards
-    guards.Guards = _NoGuards
+def _checks_off() -> Iterator[None]:
+    original = core_checkpoint.Checks
+    core_checkpoint.Checks = _NoChecks
     try:
         yield
     finally:
-        guards.Guards = original
+        core_checkpoint.Checks = original
 
 
 def _ckptlib(
@@ -130,7 +148,7 @@ def _ckptlib(
             fn, x, preserve_rng_state=rng, determinism_check=check, early_stop=early_stop
         )
 
-    return lambda: contextlib.nullcontext(run) if guarded else _with(_guards_off(), run)
+    return lambda: contextlib.nullcontext(run) if guarded else _with(_checks_off(), run)
 
 
 @contextlib.contextmanager
@@ -157,7 +175,7 @@ PARTS = {  # breakdown row -> (variant, the variant it is measured against)
     "early stop (an exception through the op)": ("ckptlib, hooks only", "ckptlib, no early stop"),
     "RNG capture and replay": ("+ RNG", "ckptlib, hooks only"),
     "keys compared at every pack": ("+ keys", "+ RNG"),
-    "guards (versions, parameters, in-place)": ("ckptlib", "+ keys"),
+    "checks (versions, parameters, in-place)": ("ckptlib", "+ keys"),
 }
 
 
@@ -168,6 +186,7 @@ def workloads() -> dict[str, tuple[Callable, torch.Tensor, int]]:
     transformer = TinyTransformer(depth=1, d_model=128, heads=4, seq=64)
     return {
         "tiny region (sin of 4 numbers)": (torch.sin, torch.randn(4), 200),
+        "tiny region, a Python function (sin of 4 numbers)": (python_sin, torch.randn(4), 200),
         "MLPChain block (width 256, batch 8)": (mlp.blocks[0], torch.randn(8, 256), 20),
         "TinyTransformer block (d_model 128, seq 64, batch 8)": (
             transformer.blocks[0],
@@ -205,7 +224,6 @@ def measure(rounds: int) -> dict:
                      for name, values in samples.items()}
         cost = {name: best[name] - best["plain"] for name in names if name != "plain"}
         results[workload] = {
-            "ckptlib_functions_per_step": calls_summary(calls_per_step(fn, x)),
             "best_us_per_step": {name: round(value, 1) for name, value in best.items()},
             "median_us_per_step": {name: round(value, 1) for name, value in median.items()},
             "quartiles_us_per_step": {
@@ -226,7 +244,8 @@ def measure(rounds: int) -> dict:
             },
         }
     return {
-        "schema": "ckptlib.region_cost/1",
+        "schema": "ckptlib.region_cost/2",
+        "reading_path": calls_summary(calls_per_step(python_sin, torch.randn(4))),
         "environment": {
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -243,7 +262,9 @@ def measure(rounds: int) -> dict:
 def calls_per_step(fn: Callable, x: torch.Tensor) -> dict[str, dict[str, int]]:
     """The ckptlib functions one checkpointed training step runs (forward, backward), counted
     with ``sys.setprofile`` after a warm-up: file -> {function: calls}. Comprehensions count as
-    the functions they are in Python 3.11; C functions and torch's own are not counted."""
+    the functions they are in Python 3.11; C functions and torch's own are not counted. (The
+    reading path is these files and ``core/errors.py``, whose messages a normal step never
+    formats.)"""
     root = str(Path(ckptlib.__file__).resolve().parent) + "/"
     counted: dict[str, dict[str, int]] = {}
 
@@ -265,19 +286,42 @@ def calls_per_step(fn: Callable, x: torch.Tensor) -> dict[str, dict[str, int]]:
     return counted
 
 
-def calls_summary(counted: dict[str, dict[str, int]]) -> dict[str, int]:
-    """Distinct functions and calls in all, and distinct functions per file."""
-    summary = {"distinct functions": sum(map(len, counted.values())),
-               "calls": sum(sum(calls.values()) for calls in counted.values())}
-    for path, calls in sorted(counted.items()):
-        summary[path] = len(calls)
-    return summary
+def calls_summary(counted: dict[str, dict[str, int]]) -> dict[str, Any]:
+    """Distinct functions and calls in all, and per file: its lines and distinct functions."""
+    root = Path(ckptlib.__file__).resolve().parent
+    files = {path: {"lines": len((root / path).read_text().splitlines()),
+                    "functions": len(calls)} for path, calls in sorted(counted.items())}
+    return {"distinct functions": sum(map(len, counted.values())),
+            "calls": sum(sum(calls.values()) for calls in counted.values()),
+            "lines": sum(f["lines"] for f in files.values()), "files": files}
 
 
-def functions_line(summary: dict[str, int]) -> str:
-    per_file = ", ".join(f"{path} {n}" for path, n in summary.items()
-                         if path not in ("distinct functions", "calls"))
-    return f"{summary['distinct functions']} functions, {summary['calls']} calls ({per_file})"
+def functions_line(summary: dict[str, Any]) -> str:
+    per_file = ", ".join(f"{path}: {f['lines']} lines, {f['functions']} functions"
+                         for path, f in summary["files"].items())
+    return (f"{len(summary['files'])} files, {summary['lines']} lines, "
+            f"{summary['distinct functions']} functions, {summary['calls']} calls ({per_file})")
+
+
+PLAIN_FUNCTION = "tiny region, a Python function (sin of 4 numbers)"
+BLOCKS = ("MLPChain block (width 256, batch 8)",
+          "TinyTransformer block (d_model 128, seq 64, batch 8)")
+
+
+def guards(result: dict) -> list[str]:
+    """The guards of this run, one line each: the plain function's region cost at most 0.8x
+    torch's, each block's step at most 1.0x torch's (workloads this run did not measure are
+    left out)."""
+    lines = []
+    checks = [(PLAIN_FUNCTION, "ckptlib cost / torch cost", 0.8)]
+    checks += [(block, "ckptlib step / torch step", 1.0) for block in BLOCKS]
+    for workload, ratio, limit in checks:
+        numbers = result["workloads"].get(workload)
+        if numbers is not None:
+            value = numbers["ratios"][ratio]
+            verdict = "within" if value <= limit else "OVER"
+            lines.append(f"{workload}: {ratio} {value:.3f} ({verdict} the guard, at most {limit})")
+    return lines
 
 
 def table(result: dict) -> str:
@@ -299,9 +343,9 @@ def table(result: dict) -> str:
             lines.append(f"    {part:<42} {value:+8.1f} us")
         for name, value in numbers["ratios"].items():
             lines.append(f"  {name:<30} {value:.3f}")
-        if "ckptlib_functions_per_step" in numbers:
-            lines.append("  ckptlib functions per step: "
-                         + functions_line(numbers["ckptlib_functions_per_step"]))
+    lines.append("reading path (one step of a plain Python function): "
+                 + functions_line(result["reading_path"]))
+    lines += ["guard: " + line for line in guards(result)]
     return "\n".join(lines)
 
 
@@ -327,8 +371,9 @@ def markdown(result: dict) -> str:
         "ckptlib",
     ]
     lines = head + [
-        "| workload | " + " | ".join(columns) + " | ckptlib / torch | floor / torch |",
-        "| --- |" + " ---: |" * (len(columns) + 2),
+        "| workload | " + " | ".join(columns)
+        + " | ckptlib / torch | floor / torch | ckptlib step / torch step |",
+        "| --- |" + " ---: |" * (len(columns) + 3),
     ]
     for workload, numbers in result["workloads"].items():
         cells = [
@@ -341,17 +386,19 @@ def markdown(result: dict) -> str:
             f"| {workload} | "
             + " | ".join(cells)
             + f" | {ratios['ckptlib cost / torch cost']:.3f} "
-            f"| {ratios['floor cost / torch cost']:.3f} |"
+            f"| {ratios['floor cost / torch cost']:.3f} "
+            f"| {ratios['ckptlib step / torch step']:.3f} |"
         )
     lines += [
         "",
-        "ckptlib functions one step runs (distinct functions, calls; distinct per file), counted "
-        "with `sys.setprofile`:",
+        "Guards of this run (not targets):",
+        "",
+        *[f"- {line}" for line in guards(result)],
+        "",
+        "The ckptlib code one step of a plain Python function runs, counted with "
+        f"`sys.setprofile`: {functions_line(result['reading_path'])}.",
         "",
     ]
-    for workload, numbers in result["workloads"].items():
-        if "ckptlib_functions_per_step" in numbers:
-            lines.append(f"- {workload}: {functions_line(numbers['ckptlib_functions_per_step'])}")
     lines += [
         "",
         "Breakdown of ckptlib's cost per region (us):",

@@ -140,6 +140,14 @@ class Observer:
         """A backward pass ended; ``released`` recomputed tensors it did not use were dropped."""
 
 
+def add_tracer(observers: list[Observer], echo: bool) -> None:
+    """Add the trace's observer to ``observers`` while a ``record_trace`` block is open, or to
+    print (``debug=True``: ``echo``), unless it is there."""
+    from ckptlib.core import trace  # lazy import: an optional observer, a subclass of Observer
+    if (echo or trace.open_traces) and not any(isinstance(o, trace.Tracer) for o in observers):
+        observers.append(trace.Tracer(echo))
+
+
 def function_name(fn: Any) -> str:
     """How a region names ``fn``: ``Block.forward``, ``sin``, a ``functools.partial`` by what it
     calls, else its type's name. Never raises: a user's callable may answer every attribute (a
@@ -362,8 +370,7 @@ class Frame:
 
     def start_recompute(self, task: int, trigger: int) -> None:
         """The first unpack of backward pass ``task``: recompute every holder still alive."""
-        if trace.open_traces and not any(isinstance(o, trace.Tracer) for o in self.observers):
-            self.observers.append(trace.Tracer(echo=False))   # a trace opened after the forward
+        add_tracer(self.observers, echo=False)   # a trace opened after the forward
         last_needed, alive = -1, 0   # holders backward can still ask for, and the last of them
         for index, ref in enumerate(self.holders):
             if ref() is not None:
@@ -640,8 +647,7 @@ def checkpoint(
                        None)
     # The observers: selective checkpointing's contexts, and the trace while one is recorded.
     observers = [context for context in contexts if isinstance(context, Observer)]
-    if debug or trace.open_traces:
-        observers.append(trace.Tracer(echo=debug))
+    add_tracer(observers, echo=debug)
     frame = Frame(fn, args, kwargs, preserve_rng_state,
                   early_stop if override is None else override, contexts,
                   determinism_check == "default", observers)
@@ -677,6 +683,3 @@ def checkpoint(
 
 
 compile_.run_eagerly_under_dynamo(checkpoint)
-
-# The trace is an Observer, defined above: imported last.
-from ckptlib.core import trace  # noqa: E402
