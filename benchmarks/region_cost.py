@@ -19,8 +19,8 @@ Variants, all in one run, interleaved (each round runs every variant once, in a 
 * ``ckptlib, no early stop``: ``ckptlib.checkpoint`` with ``preserve_rng_state=False``,
   ``determinism_check="none"``, ``early_stop=False`` and its checks (``core/checks.py``)
   replaced by ones that check nothing (in this script only); ``ckptlib, hooks only``: the same
-  with early stop (the rerun stops at its last needed tensor by raising an exception from the pack hook, which
-  unwinds through the op's C++ code: torch's checkpoint stops the same way);
+  with early stop (the rerun stops at its last needed tensor by raising an exception from the
+  pack hook, which unwinds through the op's C++ code: torch's checkpoint stops the same way);
 * ``+ RNG``: the same with the RNG captured and replayed; ``+ keys``: and each saved tensor's
   key compared; ``ckptlib``: as shipped, every check on.
 
