@@ -140,11 +140,16 @@ class Observer:
         """A backward pass ended; ``released`` recomputed tensors it did not use were dropped."""
 
 
+open_traces: list = []   # the record_trace blocks open now, innermost last (trace.py's)
+
+
 def add_tracer(observers: list[Observer], echo: bool) -> None:
     """Add the trace's observer to ``observers`` while a ``record_trace`` block is open, or to
     print (``debug=True``: ``echo``), unless it is there."""
+    if not (echo or open_traces):
+        return
     from ckptlib.core import trace  # lazy import: an optional observer, a subclass of Observer
-    if (echo or trace.open_traces) and not any(isinstance(o, trace.Tracer) for o in observers):
+    if not any(isinstance(o, trace.Tracer) for o in observers):
         observers.append(trace.Tracer(echo))
 
 
@@ -185,13 +190,13 @@ class Arguments:
         self.tensors: list[torch.Tensor] = []   # handed to the frame, then dropped (see split)
         self.others: list[Any] = []   # the other leaves (where the caller's generators may be)
         for position, value in enumerate((*args, *kwargs.values())):
+            if isinstance(value, torch.Tensor):
+                self.tensor_places.append((position, None))
+                self.tensors.append(value)
+                self.values.append(None)
+                continue
             if tree_is_leaf(value, is_leaf=_is_size):
-                if isinstance(value, torch.Tensor):
-                    self.tensor_places.append((position, None))
-                    self.tensors.append(value)
-                    value = None
-                else:
-                    self.others.append(value)
+                self.others.append(value)
                 self.values.append(value)
                 continue
             flat = _Flat(*tree_flatten(value, is_leaf=_is_size))
@@ -434,7 +439,7 @@ class Frame:
                 raise CheckpointError(f"checkpoint {self.region}: {lost}") from failure
             raise failure
         shared = None
-        if self.rng is not None:
+        if self.rng is not None and (self.rng_overlap or replay.overlapped):
             shared = rng.shared_with_another_thread(self.rng, self.rng_after,
                                                     self.rng_overlap | replay.overlapped)
         if shared or fill.hook.count <= last_needed:

@@ -45,7 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten
 
 from ckptlib._arguments import function
-from ckptlib.core.checkpoint import Observer
+from ckptlib.core.checkpoint import Observer, open_traces
 from ckptlib.core.checks import storage_ptr
 from ckptlib.core.errors import RegionId, TensorMeta
 
@@ -154,7 +154,8 @@ class CheckpointTrace:
         return "CheckpointTrace(" + ", ".join(f"{k}={self.count(k)}" for k in kinds) + ")"
 
 
-open_traces: list[CheckpointTrace] = []   # the record_trace blocks open now, innermost last
+# open_traces: the record_trace blocks open now, innermost last (the core reads the list, so it
+# lives there; record_trace adds to it and removes from it)
 
 
 def record_trace(
