@@ -12,10 +12,10 @@ Recomputing never moves the caller's RNG stream.
 Threads. There is one CPU generator per process (and one per CUDA device), shared
 by all threads. A replay sets it, the region draws, the replay puts it back: if
 another thread draws or replays in between, both runs see each other's numbers and
-the recomputed dropout masks are not the forward's. ``in_use`` registers a
-checkpoint's forward and rerun as users of their generators, so a checkpoint can
-tell that another checkpoint in another thread used the same generator at the
-same time (``ForwardRegistration.overlapped``) and refuse, instead of giving wrong gradients
+the recomputed dropout masks are not the forward's. :class:`ForwardRegistration` and
+:class:`replay` register a checkpoint's forward and rerun as users of their generators, so a
+checkpoint can tell that another checkpoint in another thread used the same generator at the
+same time (their ``overlapped``) and refuse, instead of giving wrong gradients
 (``torch.utils.checkpoint`` is silent there). Draws by code outside any checkpoint
 (plain dropout in another thread) do not register and cannot be seen.
 

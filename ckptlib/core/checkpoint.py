@@ -250,7 +250,7 @@ def save_inputs(tensors: list[torch.Tensor]) -> list:
     return [torch._C._autograd._make_saved_tensor(tensor, False) for tensor in tensors]
 
 
-def rerun_input(tensor: torch.Tensor) -> torch.Tensor:
+def input_for_rerun(tensor: torch.Tensor) -> torch.Tensor:
     """An input for the rerun: detached from the forward's graph (a hook the function registers
     on it would otherwise fire twice in backward), requiring grad as it did; under forward-mode AD
     it keeps its tangent."""
@@ -273,11 +273,11 @@ def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
                  for device in _AUTOCAST_DEVICES)
 
 
-def may_be_filled_later(keys: list[tuple], index: int) -> bool:
-    """The early-stop rule next to a buffer an op fills: an op saves its inputs before it runs,
-    so ``rrelu``, which saves its ``noise`` buffer and then fills it, would hand back an unfilled
-    buffer if the rerun stopped right there. Next to a saved constant (a tensor without history
-    made inside) the rerun stops at the next save instead."""
+def early_stop_waits(keys: list[tuple], index: int) -> bool:
+    """Must the early stop at saved tensor ``index`` wait for the next save? Yes next to a saved
+    constant (a tensor without history made inside): it may be a buffer its op fills after saving
+    it (``rrelu`` saves its ``noise`` buffer, then fills it), and a rerun stopped right there
+    would hand back an unfilled buffer."""
     if keys[index][3] is CONSTANT:
         return True
     return index > 0 and keys[index - 1][3] is CONSTANT
@@ -398,7 +398,7 @@ class Frame:
     def recompute(self, task: int, last_needed: int) -> None:
         """Run ``fn`` again from the kept inputs under :class:`Fill` (steps 2 to 4)."""
         watch = self.checks.before_recompute(self)
-        tensors = [rerun_input(saved.unpack()) for saved in self.inputs]
+        tensors = [input_for_rerun(saved.unpack()) for saved in self.inputs]
         args, kwargs = self.arguments.rebuild(tensors)
         fill = Fill(self, task, last_needed, storage_ptrs(tensors))
         failure = None
@@ -504,7 +504,7 @@ class _FillHook:
             holder.recomputed[self.task] = (detached, detached._version)
         if not frame.early_stop or index != self.last_needed:
             return detached
-        if may_be_filled_later(keys, index):
+        if early_stop_waits(keys, index):
             self.stop_at_next_pack = True
             return detached
         return self.stop(index)
