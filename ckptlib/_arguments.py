@@ -21,14 +21,13 @@ Booleans are therefore refused wherever a number is expected.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import numbers
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable
 
 __all__ = ["got", "integer", "number", "flag", "flags", "function", "qualname",
-           "check_not_reentrant", "check_checkpoint_arguments", "checkpoint_contexts"]
+           "check_not_reentrant"]
 
 
 def got(value: Any) -> str:
@@ -188,42 +187,3 @@ def check_not_reentrant(where: str, use_reentrant: Any, instead: str) -> None:
     runs = ("ckptlib.checkpoint is" if where == "checkpoint"
             else f"{where} runs ckptlib.checkpoint, which is")
     raise ValueError(f"{runs} always non-reentrant; drop use_reentrant=True (or use {instead}).")
-
-
-_DETERMINISM_CHECKS = ("default", "none")   # torch.utils.checkpoint's two
-
-
-def check_checkpoint_arguments(fn: Any, flag_values: dict[str, Any], context_fn: Any,
-                               use_reentrant: Any, determinism_check: Any) -> None:
-    """``checkpoint``'s own arguments, refused at the call before anything runs."""
-    if not callable(fn):
-        raise TypeError(f"checkpoint: fn must be callable, got {type(fn).__name__}. "
-                        "Pass the function or module itself, e.g. checkpoint(block, x).")
-    flags("checkpoint", **flag_values)
-    if not isinstance(determinism_check, str) or determinism_check not in _DETERMINISM_CHECKS:
-        raise (ValueError if isinstance(determinism_check, str) else TypeError)(
-            "checkpoint: determinism_check must be 'default' (compare every saved tensor of the "
-            "recomputation with the forward's) or 'none' (compare none), "
-            f"{got(determinism_check)}.")
-    check_not_reentrant("checkpoint", use_reentrant,
-                        "torch.utils.checkpoint for the reentrant variant")
-    if context_fn is not None and not callable(context_fn):
-        raise TypeError("checkpoint: context_fn must be None or a function returning two context "
-                        "managers (forward_context, recompute_context), got "
-                        f"{type(context_fn).__name__}.")
-
-
-def checkpoint_contexts(
-        context_fn: Callable[[], Any] | None) -> tuple[ContextManager, ContextManager]:
-    """The (forward, recompute) context pair ``context_fn`` returns, checked; two null contexts
-    for None."""
-    if context_fn is None:
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    contexts = context_fn()
-    if not (isinstance(contexts, (tuple, list)) and len(contexts) == 2
-            and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in contexts)):
-        shown = repr(contexts) if len(repr(contexts)) < 80 else type(contexts).__name__
-        raise TypeError("checkpoint: context_fn must return two context managers "
-                        "(forward_context, recompute_context), e.g. lambda: "
-                        f"(contextlib.nullcontext(), my_context()); it returned {shown}.")
-    return contexts[0], contexts[1]
