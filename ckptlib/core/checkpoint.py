@@ -252,11 +252,13 @@ def save_inputs(tensors: list[torch.Tensor]) -> list:
 
 def input_for_rerun(tensor: torch.Tensor) -> torch.Tensor:
     """An input for the rerun: detached from the forward's graph (a hook the function registers
-    on it would otherwise fire twice in backward), requiring grad as it did; under forward-mode AD
-    it keeps its tangent."""
+    on it would otherwise fire twice in backward), requiring grad as it did, a ``Parameter`` if it
+    was one; under forward-mode AD it keeps its tangent."""
     if not tensor.requires_grad:
         return tensor
     detached = tensor.detach().requires_grad_()
+    if isinstance(tensor, torch.nn.Parameter):   # a Parameter stays one, as in torch
+        detached = torch.nn.Parameter(detached)
     if forward_ad._current_level >= 0:
         tangent = forward_ad.unpack_dual(tensor).tangent
         if tangent is not None:
@@ -307,8 +309,11 @@ class Frame:
         self.observers = observers
         self.holders: list[weakref.ReferenceType[Holder]] = []
         self.keys: list[tuple] = []   # the key of each saved tensor, in pack order
-        self.recomputed_in: set[int] = set()
+        self.recomputed_in: set = set()   # backward passes (or GraphExecGroups) recomputed for
         self.recompute_count = 0
+        # A backward inside fn (torch.autograd.grad) recomputes while the forward still runs: the
+        # rerun may then save more than the forward has saved so far (Fill).
+        self.forward_running = True
 
     @property
     def region(self) -> RegionId:
@@ -335,6 +340,7 @@ class Frame:
         return holder
 
     def forward_done(self, output: Any, rng_use: rng.ForwardRegistration | None) -> None:
+        self.forward_running = False
         if rng_use is not None:   # what the forward left: did this region draw at all?
             self.rng_after, self.rng_overlap = rng_use.after, rng_use.overlapped
         if not self.keys:   # nothing saved, so nothing will be recomputed: let the inputs go
@@ -347,9 +353,10 @@ class Frame:
     def unpack(self, holder: Holder) -> torch.Tensor:
         if peek.state.peek is not None:   # an inspection tool reads it: answer, recompute nothing
             return peek.state.peek.answer(self, holder)
-        # The backward pass running now; torch has no public API that tells it (its own
-        # checkpoint reads it the same way).
-        task = torch._C._current_graph_task_id()
+        # What one recomputation serves: the torch.utils.checkpoint.GraphExecGroup open now (its
+        # backward calls share one), else the backward pass running now. Torch has no public API
+        # that tells either; its own checkpoint reads them the same way.
+        task = torch._C._get_graph_exec_group() or torch._C._current_graph_task_id()
         outside = task == -1   # grad_fn._saved_* read by hand: recompute for it, keep nothing
         if outside:
             task = -next(_outside_backward_tasks)
@@ -357,8 +364,9 @@ class Frame:
             if task not in self.recomputed_in:
                 self.start_recompute(task, holder.index)
             if task not in holder.recomputed:
-                raise CheckpointError(
-                    errors.unpacked_twice(self.region, holder.index, self.meta(holder.index)))
+                raise CheckpointError(errors.unpacked_twice(
+                    self.region, holder.index, self.meta(holder.index),
+                    in_group=not isinstance(task, int)))
             tensor, version = holder.recomputed.pop(task)   # handed over: forgotten (step 5)
             if holder.check_version and tensor._version != version:   # check 4 of checks.py
                 self.release(task)
@@ -384,7 +392,7 @@ class Frame:
             observer.on_recompute(self, trigger, alive)
         self.recomputed_in.add(task)
         self.recompute_count += 1
-        if task >= 0:   # released when this backward ends (or fails)
+        if isinstance(task, int) and task >= 0:   # released when this backward ends (or fails)
             torch.autograd.Variable._execution_engine.queue_callback(_ReleaseUnused(self, task))
         run = functools.partial(self.recompute, task, last_needed)
         for observer in self.observers:
@@ -398,7 +406,8 @@ class Frame:
     def recompute(self, task: int, last_needed: int) -> None:
         """Run ``fn`` again from the kept inputs under :class:`Fill` (steps 2 to 4)."""
         watch = self.checks.before_recompute(self)
-        tensors = [input_for_rerun(saved.unpack()) for saved in self.inputs]
+        with torch.enable_grad():   # under forward-mode AD, make_dual then records a view
+            tensors = [input_for_rerun(saved.unpack()) for saved in self.inputs]
         args, kwargs = self.arguments.rebuild(tensors)
         fill = Fill(self, task, last_needed, storage_ptrs(tensors))
         failure = None
@@ -433,11 +442,15 @@ class Frame:
         if failure is not None and not fill.hook.stopped:
             # Code between the hook and here may wrap the early stop in its own exception
             # (TorchScript re-raises it as a RuntimeError): once stopped, every needed holder
-            # is filled.
-            lost = self.checks.lost_transform()
-            if lost is not None and not isinstance(failure, CheckpointError):
-                raise CheckpointError(f"checkpoint {self.region}: {lost}") from failure
-            raise failure
+            # is filled. The local goes before the exception leaves: its traceback holds this
+            # call, which would hold it back (a reference cycle, freed only by gc).
+            try:
+                lost = self.checks.lost_transform()
+                if lost is not None and not isinstance(failure, CheckpointError):
+                    raise CheckpointError(f"checkpoint {self.region}: {lost}") from failure
+                raise failure
+            finally:
+                del failure
         shared = None
         if self.rng is not None and (self.rng_overlap or replay.overlapped):
             shared = rng.shared_with_another_thread(self.rng, self.rng_after,
@@ -486,6 +499,8 @@ class _FillHook:
         index = self.count
         self.count += 1
         if index >= len(keys):
+            if frame.forward_running:   # a backward inside fn: the forward saved less so far
+                return tensor.detach()
             raise CheckpointError(errors.saved_more(frame.region, len(keys), index,
                                                     TensorMeta.of(tensor),
                                                     frame.checks.mismatch_causes()))

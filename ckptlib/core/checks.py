@@ -130,16 +130,17 @@ def reachable(fn: Any, arguments: Iterable[Any] = ()) -> Iterator[tuple[str, Any
     seen: set[int] = set()
     found: list[tuple[str, Any]] = []
 
-    def visit(label: str, obj: Any, steps: int, in_container: bool = False) -> None:
+    def visit(label: str, obj: Any, steps: int, in_container: bool = False,
+              named: bool = False) -> None:
         if steps > MAX_STEPS or id(obj) in seen:
             return
         seen.add(id(obj))
         try:
-            look_into(label, obj, steps, in_container)
+            look_into(label, obj, steps, in_container, named)
         except Exception:
             pass
 
-    def look_into(label: str, obj: Any, steps: int, in_container: bool) -> None:
+    def look_into(label: str, obj: Any, steps: int, in_container: bool, named: bool) -> None:
         if isinstance(obj, (torch.Tensor, torch.Generator)):
             found.append((label, obj))
         elif isinstance(obj, nn.Module):
@@ -157,16 +158,22 @@ def reachable(fn: Any, arguments: Iterable[Any] = ()) -> Iterator[tuple[str, Any
             for name, arg in obj.keywords.items():
                 visit(f"{label}.keywords[{name!r}]", arg, steps + 1)
         elif isinstance(obj, types.MethodType):
-            visit(type(obj.__self__).__name__, obj.__self__, steps + 1)
+            visit(label if named else type(obj.__self__).__name__, obj.__self__, steps + 1)
             visit(label, obj.__func__, steps + 1)
         elif isinstance(obj, types.FunctionType):
             code = obj.__code__
+            # A function renamed after what it runs (apply_checkpointing names a region's function
+            # by the module's path, ``blocks.3``) lends that name to the methods it closes over.
+            renamed = obj.__qualname__ != code.co_qualname
             for name, cell in zip(code.co_freevars, obj.__closure__ or ()):
                 try:
                     value = cell.cell_contents
                 except ValueError:      # a cell not filled yet
                     continue
-                visit(name, value, steps + 1)
+                if renamed and isinstance(value, types.MethodType):
+                    visit(obj.__qualname__, value, steps + 1, named=True)
+                else:
+                    visit(name, value, steps + 1)
             defaults = obj.__defaults__ or ()
             names = code.co_varnames[code.co_argcount - len(defaults):code.co_argcount]
             for name, default in zip(names, defaults):

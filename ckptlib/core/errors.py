@@ -107,7 +107,12 @@ MISMATCH_CAUSES = (
 )
 
 
-def unpacked_twice(region: object, index: int, meta: object) -> str:
+def unpacked_twice(region: object, index: int, meta: object, in_group: bool) -> str:
+    if in_group:
+        return (f"checkpoint {region}: saved tensor #{index} ({meta}) was unpacked twice under "
+                "one torch.utils.checkpoint.GraphExecGroup: its backward calls share one "
+                "recomputation, so they must not overlap (two of them needed the same saved "
+                "tensor). Run overlapping backward calls outside the group, or split the group.")
     return (f"checkpoint {region}: saved tensor #{index} ({meta}) was unpacked twice in one "
             "backward pass. Each recomputed tensor is handed out once and then released. If a "
             "custom autograd.Function reads ctx.saved_tensors more than once in backward, read it "

@@ -277,5 +277,5 @@ class Tracer(Observer):
         self.emit(TraceEvent("unpack", frame.region, holder.index, frame.node_name()))
 
     def on_release(self, frame: Any, task: int, released: int) -> None:
-        if released and task >= 0:
+        if released and not (isinstance(task, int) and task < 0):   # not a read by hand
             self.emit(TraceEvent("release", frame.region, count=released))
