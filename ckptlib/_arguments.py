@@ -67,11 +67,16 @@ def integer(value: Any, name: str, *, least: int | None = None, unit: str = "", 
     Traceback (most recent call last):
     ...
     TypeError: MLPChain: depth must be an integer >= 1, got True (bool).
+    >>> integer(0.5, "budget_bytes", least=0, unit="number of bytes")
+    Traceback (most recent call last):
+    ...
+    TypeError: budget_bytes must be an integer number of bytes >= 0, got 0.5 (float).
     >>> integer(0, "repeats", least=1, where="measure_op_costs", range_apart=True)
     Traceback (most recent call last):
     ...
     ValueError: measure_op_costs: repeats must be at least 1, got 0 (int).
     """
+    unit = f" {unit}" if unit else ""   # "an integer number of bytes"
     if range_apart:
         wrong_kind = f"{name} must be an int{unit}"
         out_of_range = f"{name} must be at least {least}"

@@ -21,6 +21,15 @@ outside the checkpoint and run once, as Hugging Face does it. No wrapper module 
 inserted, so ``state_dict`` keys and ``named_parameters`` stay as they were, and
 removing the attribute gives the module its own ``forward`` back.
 
+Copies. A copy of a checkpointed model is checkpointed too, and runs its own layers:
+``copy.deepcopy`` (an EMA or teacher copy, ``AveragedModel``, ``nn.TransformerEncoder``'s
+clones of its layer), ``pickle`` and ``torch.save`` rebuild each wrapper around the copied
+module (``_Wrapper.__reduce__``), as they rebuild the module's own attributes; the copy's handle
+holds no model, so ``remove_checkpointing(copy)`` is how to undo a copy. ``copy.copy`` shares, as
+on a plain model, the submodules and so their wrappers; a shallow copy of a module that is itself
+wrapped runs the original's ``forward`` on the same parameters and submodules (its own
+instance attributes, ``training`` included, are not read).
+
 Names. The function handed to ``checkpoint`` is called after the module's path,
 so traces and errors read ``checkpoint transformer.h.1@13: ...``.
 
@@ -39,12 +48,14 @@ alternatives; under ``fullgraph=True`` Dynamo refuses with the reason.
 from __future__ import annotations
 
 import fnmatch
+import functools
+import types
 import warnings
-import weakref
 from typing import Any, Callable, Union
 
 import torch
 import torch.nn as nn
+from torch._ops import OpOverload, OpOverloadPacket
 
 from ckptlib._arguments import integer
 from ckptlib.core.errors import CheckpointError
@@ -145,7 +156,7 @@ class Checkpointed:
     :meth:`remove`."""
 
     def __init__(self, model: nn.Module, how: Any) -> None:
-        self.model = model
+        self.model: nn.Module | None = model   # None in a copy (see __getstate__)
         self.how = how
         self.paths: list[str] = []
         self.warned: set[str] = set()   # which one-time warnings this handle has given
@@ -153,11 +164,21 @@ class Checkpointed:
     def remove(self) -> None:
         """Give every module this handle wrapped its own ``forward`` back (``paths`` still says
         which)."""
+        if self.model is None:
+            raise ValueError("this handle came with a copy of a checkpointed model (copy.deepcopy, "
+                             "pickle) and holds no model; undo the copy's checkpointing with "
+                             "ckptlib.remove_checkpointing(copy).")
         for path in self.paths:
             module = self.model.get_submodule(path)
             wrapper = _wrapper_of(module)
             if wrapper is not None and wrapper.handle is self:
                 wrapper.restore(module)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy of a checkpointed module (copy.deepcopy, pickle) copies its wrappers and so this
+        # handle; without the model, or a deep copy of one layer would copy the whole model it came
+        # from. The copy's wrappers still warn once each; remove_checkpointing(copy) undoes them.
+        return {**self.__dict__, "model": None, "how": _picklable(self.how)}
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:
@@ -346,16 +367,28 @@ def _refuse_double_checkpointing(path: str, module: nn.Module) -> None:
 
 
 class _Wrapper:
-    """The instance ``forward`` of one checkpointed module, and what to put back."""
+    """The instance ``forward`` of one checkpointed module, and what to put back.
 
-    def __init__(self, module: nn.Module, path: str, how: Any, plans: Any, preserve_rng_state: bool,
-                 handle: Checkpointed) -> None:
+    It holds its module (strongly: the module holds it too, so they live and die together) and
+    runs that module's own ``forward``. A copy of the module (``copy.deepcopy``,
+    ``torch.optim.swa_utils.AveragedModel``, the layer clones of ``nn.TransformerEncoder``,
+    ``pickle``, ``torch.save``) copies its ``__dict__``, this wrapper included: ``__reduce__``
+    makes the copy's wrapper anew from the copied module, so the copy runs its own layers with its
+    own weights. (A wrapper copied attribute by attribute would keep the original's bound
+    ``forward``.)
+    """
+
+    def __init__(self, module: nn.Module, path: str, how: Any, plans: Any,
+                 preserve_rng_state: bool, handle: Checkpointed, own_forward: Any) -> None:
         self.path, self.how, self.plans, self.handle = path, how, plans, handle
         self.preserve_rng_state = preserve_rng_state
-        # an instance forward someone else set (accelerate)
-        self.own_forward = module.__dict__.get("forward")
-        self.module = weakref.ref(module)
-        inner = module.forward
+        self.module = module
+        # an instance forward someone else had set (accelerate's hooks); None: the class's
+        self.own_forward = own_forward
+        # Bound here from the class, not read as module.forward: while a copy is being built its
+        # __dict__ is still empty (and once wrapped, module.forward is this wrapper).
+        inner = own_forward if own_forward is not None else types.MethodType(type(module).forward,
+                                                                             module)
 
         def region(args: tuple, kwargs: dict) -> Any:
             return inner(*args, **kwargs)
@@ -365,9 +398,15 @@ class _Wrapper:
         region.__qualname__ = region.__name__ = path or type(module).__name__
         self.region = region
 
+    def __reduce__(self) -> tuple:
+        # copy.deepcopy and pickle copy these arguments (the module among them: its copy, through
+        # their memo) and call _Wrapper with them.
+        return (_Wrapper, (self.module, self.path, _picklable(self.how), self.plans,
+                           self.preserve_rng_state, self.handle, self.own_forward))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.checkpoints_itself():   # Hugging Face's switch, turned on after apply_checkpointing
-            _refuse_double_checkpointing(self.path, self.module())
+            _refuse_double_checkpointing(self.path, self.module)
         if torch.compiler.is_compiling():
             return _run_under_compile(self, args, kwargs)
         if torch.is_grad_enabled():
@@ -375,7 +414,7 @@ class _Wrapper:
         return self.run(args, kwargs)
 
     def checkpoints_itself(self) -> bool:
-        module = self.module()
+        module = self.module
         return getattr(module, "gradient_checkpointing", False) is True and module.training
 
     def run(self, args: tuple, kwargs: dict) -> Any:
@@ -384,7 +423,7 @@ class _Wrapper:
                 raise TypeError(f"apply_checkpointing(how=plan): {self.path} is an nn.Sequential "
                                 "run under a plan; it takes one input, got "
                                 f"{len(args)} arguments and {sorted(kwargs)} keywords.")
-            return checkpoint_sequential(list(self.module()), self.how, args[0],
+            return checkpoint_sequential(list(self.module), self.how, args[0],
                                          preserve_rng_state=self.preserve_rng_state)
         if self.how == "full":
             return checkpoint(self.region, args, kwargs, preserve_rng_state=self.preserve_rng_state)
@@ -403,10 +442,36 @@ class _Wrapper:
 
 def _wrap(module: nn.Module, path: str, how: Any, plans: Any, preserve_rng_state: bool,
           handle: Checkpointed) -> None:
-    wrapper = _Wrapper(module, path, how, plans, preserve_rng_state, handle)
+    wrapper = _Wrapper(module, path, how, plans, preserve_rng_state, handle,
+                       module.__dict__.get("forward"))
     # an instance attribute: nn.Module.__call__ finds it before the class's
     module.forward = wrapper
     handle.paths.append(path)
+
+
+class _OpByName:
+    """An aten op as pickle can write it, by its name: torch's op objects do not pickle, and a
+    selective ``how`` may be a collection of them (``ckptlib.save_matmuls``)."""
+
+    def __init__(self, op: OpOverload | OpOverloadPacket) -> None:
+        self.name = str(op)   # "aten.mm.default"
+
+    def __reduce__(self) -> tuple:
+        return (_aten_op, (self.name,))
+
+
+def _aten_op(name: str) -> OpOverload | OpOverloadPacket:
+    return functools.reduce(getattr, name.split("."), torch.ops)
+
+
+def _picklable(how: Any) -> Any:
+    """``how`` with each aten op in it by name (:class:`_OpByName`); a copy has the ops again."""
+    if isinstance(how, (OpOverload, OpOverloadPacket)):
+        return _OpByName(how)
+    if type(how) in (set, frozenset, list, tuple):   # a collection of ops
+        return type(how)(_OpByName(op) if isinstance(op, (OpOverload, OpOverloadPacket)) else op
+                         for op in how)
+    return how
 
 
 def _wrapper_of(module: nn.Module) -> _Wrapper | None:

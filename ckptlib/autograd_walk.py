@@ -108,7 +108,11 @@ class SavedRecord:
     ``None`` when they cannot be known. ``info`` is a ckptlib checkpoint's record of a
     tensor it dropped; ``region`` names that checkpoint (:data:`TORCH_CHECKPOINT` for
     torch's). ``packed`` is what a saved-tensor pack hook stored for it (``None``
-    without a hook): a hook's owner recognises its own tensors by it.
+    without a hook): a hook's owner recognises its own tensors by it. ``output`` says which
+    autograd output the tensor is: the node that made it and that node's output number, which
+    autograd keeps with every saved tensor, a dropped one too (``None`` for a tensor without
+    history, and where nothing was read). Two nodes that saved one tensor (a ReLU's result, the
+    next Linear's ``mat1``) name the same output, so a total can count it once.
     """
 
     node: Any
@@ -124,6 +128,7 @@ class SavedRecord:
     region: str | None = None
     info: PackedInfo | None = None
     packed: Any = None
+    output: tuple[Any, int] | None = None
 
     @property
     def label(self) -> str:
@@ -182,9 +187,12 @@ def _record(
     info: PackedInfo | None,
     packed: Any,
 ) -> SavedRecord:
+    output = (tensor.grad_fn, tensor.output_nr) if tensor.grad_fn is not None else None
     meta = info.meta if info is not None else None
     if meta is not None:
         status = "recomputed" if info.unpack_count > 0 else "dropped"
+        # The stand-in the peek handed back carries the saved tensor's place in the graph:
+        # autograd attaches its producing node and output number to whatever an unpack returns.
         return at(
             index,
             status,
@@ -194,11 +202,12 @@ def _record(
             region=info.region,
             info=info,
             packed=packed,
+            output=output,
         )
     shape, nbytes = tuple(tensor.shape), tensor.numel() * tensor.element_size()
     if tensor.device.type == "meta":  # dropped by a hook we do not know; nothing is held
-        return at(index, "dropped", shape, tensor.dtype, nbytes, packed=packed)
-    return at(index, "kept", shape, tensor.dtype, nbytes, tensor, packed=packed)
+        return at(index, "dropped", shape, tensor.dtype, nbytes, packed=packed, output=output)
+    return at(index, "kept", shape, tensor.dtype, nbytes, tensor, packed=packed, output=output)
 
 
 def _unreadable(

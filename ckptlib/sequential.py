@@ -104,8 +104,32 @@ def _run(steps: tuple[Step, ...], layers: Layers, x: Any, kwargs: dict[str, Any]
             x = checkpoint(_segment_function(step, layers, preserve_rng_state), *inputs,
                            preserve_rng_state=preserve_rng_state)
         else:
-            x = layers[step](x, **kwargs)
+            x = _call_layer(layers, step, x, kwargs)
     return x
+
+
+def _call_layer(layers: Layers, index: int, x: Any, kwargs: dict[str, Any]) -> Any:
+    """``layers[index](x, **kwargs)``; a layer that fails on a tuple it was handed gets a note.
+
+    Each layer's output is the next layer's one input, as it is (as in torch's
+    ``checkpoint_sequential`` and ``nn.Sequential``): a tuple is not unpacked into arguments. A
+    layer written for a tensor then fails deep inside with ``'tuple' object has no attribute
+    'size'``; the note says where the tuple came from and what to do. The error itself is left as
+    it is, so code that catches it still does.
+    """
+    try:
+        return layers[index](x, **kwargs)
+    except (AttributeError, TypeError) as error:
+        if isinstance(x, (tuple, list)):
+            kind = type(x).__name__
+            source = "the input" if index == 0 else f"what modules[{index - 1}] returned"
+            error.add_note(
+                f"checkpoint_sequential: modules[{index}] was called with a {kind} ({source}) "
+                "as its one argument. Each module's output is passed on as the next one's single "
+                "input, as in torch.utils.checkpoint.checkpoint_sequential: make "
+                f"modules[{index}] take the {kind}, or have the module before it return one "
+                "tensor.")
+        raise
 
 
 def _segment_function(segment: Segment, layers: Layers,

@@ -17,12 +17,14 @@ grey or purple border are counted (a view of a larger storage says so, as the st
 once); a saved leaf is the leaf's own memory, drawn as an edge to the leaf's node, or as a
 pale box "leaf, not counted" when the leaf is not in the graph (an input that
 needs no grad, a buffer); a dropped tensor whose dropping freed nothing (the
-checkpoint's own input) has a pale dashed border and says "frees nothing": the
-fill gives its state, the border whether its bytes count.
+checkpoint's own input, or a tensor held elsewhere: kept by a node outside the
+checkpoint, or the next checkpoint's input) has a pale dashed border and says
+"frees nothing": the fill gives its state, the border whether its bytes count.
 
 One box per memory. Kept tensors that are one view of one memory share a box
 (``exp``'s result is ``sin``'s input), with one dashed edge per node that saves
-it. When the sharers are in different states (a replay marks one freed while
+it; so do dropped tensors that are one autograd output (a ReLU's result, the
+next Linear's ``mat1``). When the sharers are in different states (a replay marks one freed while
 another node still holds it), the box shows the most alive state: the memory
 is there while anyone holds it. A collapsed module's box counts the memory
 its nodes save once in the whole picture: a tensor that one module outputs and
@@ -37,6 +39,8 @@ import torch
 from ckptlib import palette
 from ckptlib._arguments import flag, integer
 from ckptlib.graph.nodes import (
+    DROPPED,
+    KEPT,
     VIEWS,
     AutogradGraph,
     GraphNode,
@@ -98,9 +102,9 @@ LEGEND = {
     "kept": "saved by autograd (counted)",
     "saved leaf": "a leaf's own memory (not counted)",
     "dropped": "dropped by checkpoint (counted)",
-    "frees nothing": "dropped input: frees nothing",
+    "frees nothing": "dropped, held elsewhere: frees nothing",
     "recomputed": "recomputed in backward (counted)",
-    "recomputed, frees nothing": "recomputed input: no new memory",
+    "recomputed, frees nothing": "recomputed; dropping it freed nothing",
     "freed": "freed by backward",
     "modified": "modified in place: backward fails",
     "module": "module (collapsed): its memory, counted once",
@@ -381,11 +385,13 @@ def _draw_modules(dot: graphviz.Digraph, graph: AutogradGraph, depth: int) -> li
     if isinstance(dot, NotebookDigraph):
         dot.module_boxes.update(box_of)
     used = _draw_nodes(dot, graph, loose)
-    saved_bytes = _charged_bytes(loose, groups)
+    saved_bytes = _charged_bytes(loose, groups, KEPT)
+    dropped_bytes = _charged_bytes(loose, groups, DROPPED)
     for number, (path, members) in enumerate(groups.items()):
         style = _module_style(members)
         _use(used, style)
-        label = _module_label(path, members, graph.module_types, saved_bytes[path])
+        label = _module_label(path, members, graph.module_types, saved_bytes[path],
+                              dropped_bytes[path])
         dot.node(f"m{number}", label, **STYLES[style])
     boxes = set(box_of.values())
     edges: dict[tuple[str, str], None] = {}  # a dict keeps first-seen order, a set would not
@@ -398,24 +404,27 @@ def _draw_modules(dot: graphviz.Digraph, graph: AutogradGraph, depth: int) -> li
     return used
 
 
-def _charged_bytes(loose: list[GraphNode], groups: dict[str, list[GraphNode]]) -> dict[str, int]:
-    """Saved bytes per module box, each memory counted once in the picture: the boxes of nodes
-    outside every module show their own bytes, so their memory is theirs; memory several modules
-    save is counted in the first met from the outputs (the last to use it in forward)."""
+def _charged_bytes(loose: list[GraphNode], groups: dict[str, list[GraphNode]],
+                   statuses: tuple[str, ...]) -> dict[str, int]:
+    """Bytes per module box of the saved tensors in ``statuses`` (kept, or dropped), each memory
+    counted once in the picture: the boxes of nodes outside every module show their own bytes,
+    so their memory is theirs; memory several modules save is counted in the first met from the
+    outputs (the last to use it in forward)."""
     charged = {
-        _memory(node, s) for node in loose for s in node.saved if s.status == "kept" and s.counted
+        _memory(node, s) for node in loose for s in node.saved
+        if s.status in statuses and s.counted
     }
-    saved_bytes = {}
+    module_bytes = {}
     for path, members in groups.items():
         total = 0
         for node in members:
             for saved in node.saved:
                 memory = _memory(node, saved)
-                if saved.status == "kept" and saved.counted and memory not in charged:
+                if saved.status in statuses and saved.counted and memory not in charged:
                     charged.add(memory)
                     total += saved.storage_nbytes if saved.storage is not None else saved.nbytes
-        saved_bytes[path] = total
-    return saved_bytes
+        module_bytes[path] = total
+    return module_bytes
 
 
 def _memory(node: GraphNode, saved: SavedTensor) -> tuple:
@@ -431,7 +440,8 @@ def _module_style(members: list[GraphNode]) -> str:
 
 
 def _module_label(
-    path: str, members: list[GraphNode], module_types: dict[str, str], saved_bytes: int
+    path: str, members: list[GraphNode], module_types: dict[str, str], saved_bytes: int,
+    dropped_bytes: int,
 ) -> str:
     ops = [node for node in members if node.kind == "op"]
     leaves = [node for node in members if node.kind == "leaf"]
@@ -441,9 +451,8 @@ def _module_label(
         f"{len(ops)} ops, {len(leaves)} leaves ({bytes_text(parameter_bytes)})",
         f"saved {bytes_text(saved_bytes)}",
     ]
-    dropped = sum(node.dropped_bytes for node in ops)
-    if dropped:
-        lines.append(f"dropped {bytes_text(dropped)}")
+    if dropped_bytes:
+        lines.append(f"dropped {bytes_text(dropped_bytes)}")
     return "\n".join(lines)
 
 

@@ -18,10 +18,18 @@ memory), and byte totals add each storage's size once. A saved tensor that
 shares storage with a leaf (a parameter, a buffer, an input that gets
 ``.grad``, or any leaf named in ``params``) is marked ``of_leaf`` and left out
 of the totals: that memory belongs to the leaf and lives on without the graph.
-A checkpoint's dropped tensors are seen through their metadata only, so the
-dropped total adds each one (one tensor saved by two ops counts twice), and
-leaves out those whose dropping frees nothing (``frees_memory`` is False: an
-input of the checkpoint, a parameter or a view of one).
+A checkpoint's dropped tensors are seen through their metadata, and through
+the autograd output each one is (the node that made it, its output number):
+autograd keeps that with every saved tensor, so a tensor two ops saved (a
+ReLU's result, the next Linear's ``mat1``) gets one ``storage`` number and its
+bytes count once in the dropped total, as the memory meter frees them once.
+What that cannot see counts on its own: a view and its base, a tensor changed
+in place and saved before and after, a tensor without history (made under
+``no_grad``) saved twice. The dropped total leaves out those whose dropping
+frees nothing (``frees_memory`` is False): an input of the checkpoint, a
+parameter or a view of one, and a tensor that is held anyway, because a node
+outside the checkpoint keeps it or it is another checkpoint's input (a block's
+output, dropped by its own checkpoint, is the next block's input).
 """
 
 from __future__ import annotations
@@ -68,9 +76,10 @@ class SavedTensor:
     of_leaf: bool = False
     tensor_name: str | None = None
     view: tuple | None = field(default=None, repr=False)
-    frees_memory: bool = (
-        True  # for a dropped tensor: False if it was an input, a parameter or a view of one
-    )
+    # For a dropped tensor: False if dropping it freed nothing: an input of the checkpoint, a
+    # parameter or a view of one, or a tensor held anyway (a node outside keeps it, or it is
+    # another checkpoint's input).
+    frees_memory: bool = True
     leaf_kind: str | None = None
 
     def __post_init__(self) -> None:
@@ -150,9 +159,10 @@ class GraphNode:
 
     @property
     def dropped_bytes(self) -> int:
-        """Bytes of this node's saved tensors that a checkpoint dropped in forward, counting only
-        those whose dropping freed memory (not inputs, parameters or views of them)."""
-        return sum(s.nbytes for s in self.saved if s.status != "kept" and s.counted)
+        """Bytes of this node's saved tensors that a checkpoint dropped in forward, each tensor
+        once, counting only those whose dropping freed memory (not inputs, parameters or views
+        of them)."""
+        return distinct_storage_bytes(self.saved, DROPPED)
 
 
 @dataclass
@@ -191,13 +201,13 @@ class AutogradGraph:
 
     @property
     def dropped_bytes(self) -> int:
-        """Bytes of the saved tensors checkpoints dropped in forward.
+        """Bytes of the saved tensors checkpoints dropped in forward, each tensor once (one
+        saved by two ops too: see "Counting bytes once").
 
         Inputs, parameters and views of them are left out (dropping them frees
-        nothing). A dropped tensor is otherwise seen only through its metadata, so
-        one tensor saved by two ops counts twice here.
+        nothing).
         """
-        return sum(node.dropped_bytes for node in self.nodes)
+        return distinct_storage_bytes((s for node in self.nodes for s in node.saved), DROPPED)
 
     # Showing a graph is the drawing and display modules' job (see VIEWS).
     def __str__(self) -> str:
@@ -282,12 +292,18 @@ def with_statuses(graph: AutogradGraph, statuses: Mapping[tuple[str, str], str])
     return AutogradGraph(nodes, list(graph.edges), dict(graph.module_types))
 
 
-def distinct_storage_bytes(saved: Iterable[SavedTensor]) -> int:
-    """Bytes of the kept, counted tensors among ``saved``, each storage once."""
-    kept = [s for s in saved if s.status == "kept" and s.counted]
-    shared = {s.storage: s.storage_nbytes for s in kept if s.storage is not None}
-    # A tensor without one storage (sparse, nested) counts on its own.
-    return sum(shared.values()) + sum(s.nbytes for s in kept if s.storage is None)
+KEPT = ("kept",)
+DROPPED = ("dropped", "recomputed")
+"""The statuses a saved tensor is counted under in ``saved_bytes`` and in ``dropped_bytes``."""
+
+
+def distinct_storage_bytes(saved: Iterable[SavedTensor], statuses: tuple[str, ...] = KEPT) -> int:
+    """Bytes of the counted tensors among ``saved`` in one of ``statuses``, each storage once."""
+    counted = [s for s in saved if s.status in statuses and s.counted]
+    shared = {s.storage: s.storage_nbytes for s in counted if s.storage is not None}
+    # A tensor without one storage (sparse, nested; a dropped one without history) counts on
+    # its own.
+    return sum(shared.values()) + sum(s.nbytes for s in counted if s.storage is None)
 
 
 def shape_text(shape: tuple[int, ...]) -> str:

@@ -26,15 +26,15 @@ import dataclasses
 import math
 import re
 from collections import Counter, deque
-from typing import Any, Mapping, NamedTuple, Sequence, Union
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence, Union
 
 import torch
 from torch import nn
 
 from ckptlib.autograd_walk import TORCH_CHECKPOINT, SavedRecord, op_name, read_saved, walk
 from ckptlib.graph.modules import ModuleTrace
-from ckptlib.graph.nodes import AutogradGraph, GraphNode, SavedTensor
 from ckptlib.core.checks import storage_ptr
+from ckptlib.graph.nodes import DROPPED, AutogradGraph, GraphNode, SavedTensor
 
 __all__ = ["autograd_graph", "TORCH_CHECKPOINT", "Params"]
 
@@ -94,6 +94,8 @@ def build_graph(outputs: Any, params: Any, modules: Any, caller: str) -> Autogra
     storages = _StorageIds()
     leaves = _Leaves(order, names, storages)
 
+    records = {fn: list(read_saved(fn)) for fn in order if not hasattr(fn, "variable")}
+    lives_on = _outputs_that_live_on(records.values())
     nodes = []
     for position, tensor in enumerate(tensors):
         nodes.append(
@@ -124,7 +126,8 @@ def build_graph(outputs: Any, params: Any, modules: Any, caller: str) -> Autogra
             )
         else:
             module = modules.module_of(fn._sequence_nr()) if modules is not None else None
-            saved = tuple(_describe(record, names, storages, leaves) for record in read_saved(fn))
+            saved = tuple(_describe(record, names, storages, leaves, lives_on)
+                          for record in records[fn])
             saved = leaves.name_dropped(saved, fn, module)
             nodes.append(GraphNode(ids[fn], "op", op, saved=saved, module=module))
 
@@ -184,11 +187,17 @@ class _StorageIds:
     """Small stable numbers for storages, in the order they are first met."""
 
     def __init__(self) -> None:
-        self.ids: dict[tuple[str, int], int] = {}
+        self.ids: dict[tuple, int] = {}
 
     def of(self, tensor: torch.Tensor) -> int | None:
         key = _storage_key(tensor)
         return None if key is None else self.ids.setdefault(key, len(self.ids))
+
+    def of_output(self, output: tuple[Any, int]) -> int:
+        """The number of a dropped tensor, known as an autograd output (producing node, output
+        number): equal for every node that saved it."""
+        node, output_nr = output
+        return self.ids.setdefault(("output", node, output_nr), len(self.ids))
 
 
 def _view_of(tensor: torch.Tensor) -> tuple | None:
@@ -377,11 +386,29 @@ def _module_of_parameter(name: str | None, modules: ModuleTrace | None) -> str |
 # ---------------------------------------------------------------------------
 
 
+def _outputs_that_live_on(records: Iterable[list[SavedRecord]]) -> set[tuple[Any, int]]:
+    """The autograd outputs (see ``SavedRecord.output``) whose memory no checkpoint frees: a node
+    keeps one of them, or a checkpoint dropped it where dropping frees nothing (a block's output
+    is the next checkpointed block's input). Dropping such a tensor elsewhere frees nothing
+    either, as the memory meter sees: it is still held."""
+    return {
+        record.output
+        for saved in records
+        for record in saved
+        if record.output is not None
+        and (record.status == "kept" or (record.status in DROPPED and not record.frees_memory))
+    }
+
+
 def _describe(
-    record: SavedRecord, names: _Names, storages: _StorageIds, leaves: _Leaves
+    record: SavedRecord, names: _Names, storages: _StorageIds, leaves: _Leaves,
+    lives_on: set[tuple[Any, int]],
 ) -> SavedTensor:
     """What the graph shows of one saved tensor: its record, with storage, owner and name."""
     if record.status != "kept":
+        # Known by its metadata, and by the autograd output it is: one number for every node
+        # that saved that tensor, so its bytes count once and it is drawn as one box.
+        storage = storages.of_output(record.output) if record.output is not None else None
         return SavedTensor(
             record.label,
             record.shape,
@@ -389,7 +416,10 @@ def _describe(
             record.nbytes or 0,
             record.status,
             record.region,
-            frees_memory=record.frees_memory,
+            storage,
+            record.nbytes or 0,
+            view=None if storage is None else (storage, record.shape, record.dtype),
+            frees_memory=record.frees_memory and record.output not in lives_on,
         )
     tensor = record.tensor
     storage = storages.of(tensor)

@@ -5,11 +5,12 @@ A function is run under :func:`~ckptlib.inspect.recording.record_saved`, which n
 and torch functions. A graph is walked from the outputs' ``grad_fn`` through
 ``next_functions``, reading every saved tensor the same way: both use
 :mod:`ckptlib.autograd_walk`, the walker ``ckptlib.graph`` draws with. A walk cannot know
-modules or functions, nor which dropped tensors shared a storage or were parameters (only
-their shape and dtype were kept: such rows have kind "unknown" and each counts on its own, so
-``dropped_bytes`` is an upper bound there). Tensors ``torch.utils.checkpoint`` dropped are
-recognised without unpacking them (a recomputation, for that checkpoint): "dropped" rows of
-region ``torch.utils.checkpoint#0``. Tensors saved under any other hook are unpacked by that
+modules or functions, nor which dropped tensors were parameters (only their shape, dtype and
+place in the graph were kept: such rows have kind "unknown"). A tensor two nodes saved is one
+autograd output, so it is one storage; a view and its base, or a tensor without history, count
+on their own, so ``dropped_bytes`` is an upper bound there. Tensors ``torch.utils.checkpoint``
+dropped are recognised without unpacking them (a recomputation, for that checkpoint): "dropped"
+rows of region ``torch.utils.checkpoint#0``. Tensors saved under any other hook are unpacked by that
 hook.
 """
 
@@ -107,10 +108,13 @@ def _walk_report(roots: Sequence[Any], state: dict[StorageWeakRef, str]) -> Save
                 # Nothing held (or backward would fail); or torch's records moved: nothing known.
                 continue
             if record.status != "kept":
-                # Dropped by a checkpoint: only its metadata is known, so it gets a storage of
-                # its own and kind "unknown" (it may have been a parameter).
+                # Dropped by a checkpoint: its metadata is known, and which autograd output it
+                # is (one storage for every node that saved it), not whether it was a
+                # parameter: kind "unknown".
                 info = record.info
-                key = ("dropped", info.region, info.index) if info else ("dropped", len(rows))
+                key = (("dropped", *record.output) if record.output is not None
+                       else ("dropped", info.region, info.index) if info
+                       else ("dropped", len(rows)))
                 storage_bytes, kind, status = record.nbytes, "unknown", "dropped"
                 region = region_label(regions, record.region) if record.region else ""
             else:

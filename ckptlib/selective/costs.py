@@ -427,7 +427,7 @@ def _check_budget(where: str, budget_bytes: Any, worth: Any) -> None:
         budget_bytes,
         "budget_bytes",
         least=0,
-        unit=" number of bytes",
+        unit="number of bytes",
         where=where,
         range_apart=True,
     )

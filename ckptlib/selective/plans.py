@@ -260,6 +260,11 @@ class SelectivePlans:
         self._warned: set[str] = set()  # why some calls could not use plans, said once each
         self._forgotten = 0  # plans dropped by clear(), still counted in recorded
 
+    def __reduce__(self) -> tuple:
+        # A copy (a copied or pickled model checkpointed with plans=) starts empty: plans are kept
+        # per function, and the copy's functions are its own.
+        return (SelectivePlans, ())
+
     def __len__(self) -> int:
         """The number of plans held (signatures given up on are not counted)."""
         return sum(

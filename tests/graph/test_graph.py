@@ -645,6 +645,53 @@ def test_box_bytes_add_up_to_the_caption(case):
     )
 
 
+def freed_by_checkpoints(run) -> tuple[object, int]:
+    """``run()``'s result and the bytes its checkpoints freed in forward, as their trace says."""
+    with record_trace() as trace:
+        result = run()
+    return result, sum(event.nbytes for event in trace.events if event.kind == "forward_done")
+
+
+def test_a_dropped_tensor_two_nodes_saved_counts_once_and_is_one_box():
+    # ReLU saves its result, the next Linear saves the same tensor as mat1: one memory, freed
+    # once. The caption says what the checkpoint freed, box by box.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3))
+    out, freed = freed_by_checkpoints(lambda: checkpoint(model, torch.randn(3, 4)).sum())
+    graph = autograd_graph(out, params=model)
+    relu = next(n for n in graph.nodes if n.op == "ReluBackward0")
+    linear = graph.nodes[[n.id for n in graph.nodes].index(relu.id) - 2]
+    result, mat1 = relu.saved[0], next(s for s in linear.saved if s.name == "mat1")
+    assert result.storage == mat1.storage is not None and result.frees_memory
+    assert graph.dropped_bytes == freed == 3 * 4 * 4
+    dot = to_dot(graph)
+    assert dot.saved_boxes[relu.id, "result"] == dot.saved_boxes[linear.id, "mat1"]
+    assert "dropped by checkpoints 48 B" in str(graph)
+
+
+@pytest.mark.parametrize("held_by", ["a node outside", "the next checkpoint"])
+def test_a_dropped_tensor_held_elsewhere_frees_nothing(held_by):
+    # A region's output that the op after it saves (kept), or that the next checkpoint takes in:
+    # dropping it inside its own region frees no memory, as the trace says.
+    x = torch.randn(4, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        # the second sin saves the first's result (freed: 16 B); exp saves its result, h
+        h = checkpoint(lambda t: t.sin().sin().exp(), x)
+        after = (lambda t: t.cos()) if held_by == "a node outside" else (
+            lambda t: checkpoint(torch.cos, t))
+        return after(h).sum()
+
+    out, freed = freed_by_checkpoints(run)
+    graph = autograd_graph(out, params={"x": x})
+    exp = next(n for n in graph.nodes if n.op == "ExpBackward0")
+    assert exp.saved[0].status == "dropped" and not exp.saved[0].frees_memory
+    assert graph.dropped_bytes == freed == 16
+    dot = to_dot(graph)
+    label = boxes(dot)[dot.saved_boxes[exp.id, "result"]][0]
+    assert label.splitlines()[-2:] == ["dropped", "frees nothing"]
+
+
 def test_a_dropout_mask_made_inside_a_checkpoint_is_drawn_as_freeing_memory():
     # The mask needs no grad (a leaf to autograd) but is made inside the region: dropping it frees
     # its bytes. A constant captured from outside frees nothing.
@@ -735,9 +782,10 @@ def test_parameters_inside_a_checkpoint_are_drawn_as_the_parameter(mode):
     weight = next(n.id for n in graph.nodes if n.name == "blocks.1.0.weight")
     assert any(re.match(rf"\s*n\d+ -> {weight} \[label=mat2 ", line) for line in dot.body)
     assert not any(box.endswith(".mat2") for box in boxes(dot))
-    # Each block drops its relu output and the next block's input (counted once each, 128 B);
-    # ckptlib knows its own inputs free nothing, torch's checkpoint does not say.
-    assert graph.dropped_bytes == (3 if mode == "block" else 6) * 128
+    # Each block drops its relu output, which is the next block's input (and the loss keeps the
+    # last one): ckptlib's checkpoints free nothing, as its trace says, and the graph knows it.
+    # torch's checkpoint does not say, so each of its dropped tensors counts (128 B each).
+    assert graph.dropped_bytes == (0 if mode == "block" else 6 * 128)
 
 
 def test_layer_norm_parameters_in_a_checkpoint_are_told_apart_by_name():
@@ -803,8 +851,12 @@ def test_text_view_sizes_the_op_column_to_the_longest_name():
 
 
 def test_with_statuses_redraws_each_state_and_keeps_the_original():
-    _, graph = checkpointed_mlp("block")
-    relu = next(n for n in graph.nodes if n.op == "ReluBackward0" and n.region is not None)
+    _, graph = checkpointed_mlp("sqrt", depth=4)
+    relu = next(n for n in graph.nodes if n.op == "ReluBackward0" and n.region is not None
+                and n.saved[0].frees_memory)   # inside a segment: dropping it frees memory
+    sharers = [(node.id, saved.name) for node in graph.nodes for saved in node.saved
+               if saved.storage == relu.saved[0].storage]
+    assert len(sharers) == 2
     expected_fill = {
         "kept": f'"{palette.SAVED}"',
         "dropped": "white",
@@ -813,9 +865,11 @@ def test_with_statuses_redraws_each_state_and_keeps_the_original():
         "modified": "tomato",
     }
     for status in STATUSES:
-        moment = with_statuses(graph, {(relu.id, "result"): status})
+        # the next Linear saved the same tensor (mat1): one memory, one box, so both change
+        moment = with_statuses(graph, {sharer: status for sharer in sharers})
         assert moment[relu.id].saved[0].status == status
-        label, attributes = boxes(to_dot(moment))[f"{relu.id}.result"]
+        dot = to_dot(moment)
+        label, attributes = boxes(dot)[dot.saved_boxes[relu.id, "result"]]
         assert f"fillcolor={expected_fill[status]}" in attributes
         assert (label.splitlines()[-1] == status) == (status != "kept")
         render_svg(to_dot(moment))

@@ -407,3 +407,16 @@ def test_empty_report():
     assert (report.kept_bytes, report.dropped_bytes, len(report)) == (0, 0, 0)
     with torch.no_grad():
         assert len(saved_tensors_report(lambda: F.relu(torch.randn(3)))) == 0
+
+
+def test_a_walked_report_gives_a_dropped_tensor_two_nodes_saved_one_storage():
+    # ReLU's result is also cos's saved input: one autograd output, one storage, whose bytes
+    # count once (the walk used to give each save its own storage).
+    x = torch.randn(3, 4, requires_grad=True)
+    out = checkpoint(lambda t: t.sin().relu().cos(), x).sum()
+    report = saved_tensors_report(out)
+    rows = {(row.node, row.attribute): row for row in report.rows}
+    relu, cos = rows["ReluBackward0", "result"], rows["CosBackward0", "self"]
+    assert relu.status == cos.status == "dropped" and relu.storage == cos.storage
+    assert rows["SinBackward0", "self"].storage != relu.storage
+    assert report.dropped_bytes == 2 * 3 * 4 * 4   # sin's input (x) and the ReLU's result

@@ -337,3 +337,9 @@ def test_checkpoint_sequential_passes_the_layers_keyword_arguments_and_refuses_a
     ):
         checkpoint_sequential(model.layers, 2, x, layer_kwargs=(mask,))
     assert_nothing_installed()
+
+
+def test_a_budget_that_is_not_a_whole_number_of_bytes_is_refused_in_words():
+    with pytest.raises(TypeError, match=r"plan_checkpointing: budget_bytes must be an integer "
+                                        r"number of bytes >= 0, got 1.5 \(float\)\."):
+        plan_checkpointing(Net(), batch(), budget_bytes=1.5)

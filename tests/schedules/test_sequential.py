@@ -15,6 +15,7 @@ from ckptlib.schedules import (
 )
 from ckptlib.sequential import checkpoint_sequential, measure_layer_costs
 from tests._grads import assert_bitwise_equal
+from tests._misuse import assert_nothing_installed
 
 N = 16
 
@@ -285,3 +286,64 @@ def test_reentrant_is_refused():
         checkpoint_sequential(mlp_chain(), 2, torch.randn(2, 8), use_reentrant=True)
     y = checkpoint_sequential(mlp_chain(), 2, torch.randn(2, 8), use_reentrant=False)
     assert y.shape == (2, 8)
+
+
+# ---------------------------------------------------------------------------
+# Modules that return tuples
+# ---------------------------------------------------------------------------
+
+
+class PairBlock(nn.Module):
+    """Takes a pair (or, first, one tensor) and returns a pair: a layer that passes a tuple on."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = x if isinstance(x, torch.Tensor) else x[0] * x[1].sigmoid()
+        h = self.linear(h)
+        return h.tanh(), h.relu()
+
+
+@pytest.mark.parametrize("segments", [1, 2, 4, sqrt_n(6)], ids=["1", "2", "4", "sqrt_n"])
+def test_a_tuple_is_passed_on_as_one_input_as_torch_does(segments):
+    torch.manual_seed(0)
+    chain = nn.Sequential(*(PairBlock() for _ in range(6)))
+    x = torch.randn(3, 8, requires_grad=True)
+
+    def run(forward):
+        first, second = forward()
+        return first * second
+
+    ours = output_and_grads(lambda: run(lambda: checkpoint_sequential(chain, segments, x)),
+                            chain, x)
+    plain = output_and_grads(lambda: run(lambda: chain(x)), chain, x)
+    assert_bitwise_equal(ours, plain)
+    if isinstance(segments, int):
+        theirs = output_and_grads(lambda: run(lambda: torch_checkpoint_sequential(
+            chain, segments, x, use_reentrant=False)), chain, x)
+        assert_bitwise_equal(ours, theirs)
+
+
+class Flatten(nn.Module):
+    def forward(self, x):
+        return x.flatten(1)
+
+
+def test_a_module_that_wants_a_tensor_and_gets_a_tuple_fails_as_in_torch_with_a_note():
+    chain = nn.Sequential(PairBlock(), Flatten(), nn.Linear(8, 8))
+    x = torch.randn(3, 8, requires_grad=True)
+    with pytest.raises(AttributeError, match="'tuple' object has no attribute 'flatten'"):
+        torch_checkpoint_sequential(chain, 2, x, use_reentrant=False)
+    with pytest.raises(AttributeError, match="'tuple' object has no attribute 'flatten'") as error:
+        checkpoint_sequential(chain, 2, x)
+    assert error.value.__notes__ == [
+        "checkpoint_sequential: modules[1] was called with a tuple (what modules[0] returned) as "
+        "its one argument. Each module's output is passed on as the next one's single input, as "
+        "in torch.utils.checkpoint.checkpoint_sequential: make modules[1] take the tuple, or have "
+        "the module before it return one tensor."]
+    with pytest.raises(TypeError, match="must be Tensor, not tuple") as error:
+        checkpoint_sequential([nn.Linear(8, 8)], 1, (x,))
+    assert "was called with a tuple (the input)" in error.value.__notes__[0]
+    assert_nothing_installed()
