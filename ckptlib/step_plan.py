@@ -22,8 +22,9 @@ input shapes: a Transformer's layers) form a group; one of them runs forward and
 on the inputs it got in the step, once per way: keep, full checkpoint, each selective policy,
 offload (only on a device where it frees memory: on the CPU the saved tensors are in host memory
 already). Per way: the bytes it holds for backward after its forward (*dropped* is keep's minus
-this), how much higher its backward peaks than keep's (the rerun), and its time, the least of a
-few runs, minus keep's: the *rerun cost*. Times are measured, not counted: an LSTM's rerun is
+this), how much higher its backward peaks than keep's (the rerun), and its time over keep's (the
+least of a few alternating runs each, in the thread's CPU time on the CPU; at least the forward
+for a full checkpoint): the *rerun cost*. Times are measured, not counted: an LSTM's rerun is
 not free because a FLOP counter cannot see it, and a selective policy whose per-op dispatch costs
 more than it saves is seen to be slower than full checkpointing, so it is chosen only where it
 keeps fewer bytes for its time. The costs are rounded to powers of 1.5, so that a
@@ -66,7 +67,7 @@ __all__ = ["plan_step_peak", "StepPlan", "WayCost", "PeakPlace", "call_model", "
 
 KEEP = "keep"
 COST_STEP = 1.5       # rerun costs are rounded to powers of this (see the notes)
-TIMED_RUNS = 5        # per way and group: the least time of these
+TIMED_RUNS = 5        # per way and group: runs of each, kept and this way, alternating
 SOLVES = 3            # at most this many corrections of the model by a measured run
 
 
@@ -460,48 +461,71 @@ def _measure_ways(step: _Step, hows: tuple[Any, ...],
         path, module = step.candidates[index]
         readings = {how: _measure_way(step, path, module, how, args, kwargs)
                     for how in (KEEP, *hows)}
-        kept, peak, seconds = readings[KEEP]
+        kept, peak, _ = readings[KEEP]
         ways = []
-        for how, (way_kept, way_peak, way_seconds) in readings.items():
+        for how, (way_kept, way_peak, extra_s) in readings.items():
             dropped = kept - way_kept
             if how != KEEP and dropped <= 0:
                 continue   # frees nothing on this device (offload on the CPU, say)
             ways.append(WayCost(how, way_kept, dropped, max(0, way_peak - peak),
-                                _rounded(way_seconds - seconds) if how != KEEP else 0.0))
+                                _rounded(extra_s) if how != KEEP else 0.0))
         measured[index] = tuple(ways)
     return [measured[group] for group, _, _ in captured]
 
 
 def _measure_way(step: _Step, path: str, module: nn.Module, how: Any, args: tuple,
                  kwargs: dict) -> tuple[int, int, float]:
-    """(bytes held after forward, peak bytes, least seconds) of the module's forward and backward
-    alone, checkpointed ``how``."""
+    """(bytes held after forward, peak bytes, seconds over keeping's) of the module's forward and
+    backward alone, checkpointed ``how``.
+
+    Runs alternate, one kept (the class's own ``forward``) and one this way, and the least time
+    of each counts. On the CPU the clock is the calling thread's CPU time, which other processes
+    on a busy machine do not stretch as they stretch wall time (the least of five wall times
+    varied 100-fold on a loaded 2-core machine, the thread's CPU time by a third); on a GPU,
+    wall time after synchronising. A full checkpoint costs at least its forward.
+    """
     hows = {} if how == KEEP else {path: how}
+
+    def run(call: Callable) -> Any:
+        module.zero_grad(set_to_none=True)
+        inputs_args, inputs_kwargs = tree_map(_fresh_leaf, (args, kwargs))
+        return call(*inputs_args, **inputs_kwargs)
+
+    def kept_as_is(*inputs_args: Any, **inputs_kwargs: Any) -> Any:
+        return type(module).forward(module, *inputs_args, **inputs_kwargs)
+
+    def backward(output: Any) -> None:
+        tensors = _grad_tensors(output)
+        torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+
+    clock = time.thread_time if step.device.type == "cpu" else time.perf_counter
+
+    def timed(call: Callable) -> tuple[float, float]:
+        _synchronize(step.device)
+        start = clock()
+        output = run(call)
+        _synchronize(step.device)
+        middle = clock()
+        backward(output)
+        _synchronize(step.device)
+        return middle - start, clock() - start
+
     with apply_checkpointing(step.model, _Hows(hows)):
-        def once() -> Any:
-            module.zero_grad(set_to_none=True)
-            inputs_args, inputs_kwargs = tree_map(_fresh_leaf, (args, kwargs))
-            return module(*inputs_args, **inputs_kwargs)
-
-        def backward(output: Any) -> None:
-            tensors = _grad_tensors(output)
-            torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
-
-        backward(once())                   # a selective way records its plan here
+        backward(run(module))                   # a selective way records its plan here
         with MemoryMeter(step.device, timeline=False) as meter:
-            output = once()
+            output = run(module)
             kept = meter.live_bytes - sum(storage_bytes(_grad_tensors(output)).values())
             backward(output)
             del output
-        seconds = []
+        if how == KEEP:
+            return kept, meter.peak_bytes, 0.0
+        forward_s, keep_s, way_s = math.inf, math.inf, math.inf
         for _ in range(TIMED_RUNS):
-            _synchronize(step.device)
-            start = time.perf_counter()
-            backward(once())
-            _synchronize(step.device)
-            seconds.append(time.perf_counter() - start)
+            forward, whole = timed(kept_as_is)
+            forward_s, keep_s = min(forward_s, forward), min(keep_s, whole)
+            way_s = min(way_s, timed(module)[1])
     module.zero_grad(set_to_none=True)
-    return kept, meter.peak_bytes, min(seconds)
+    return kept, meter.peak_bytes, max(way_s - keep_s, forward_s if how == "full" else 0.0)
 
 
 def _fresh_leaf(value: Any) -> Any:

@@ -15,12 +15,12 @@ from tests._misuse import assert_nothing_installed
 from tests._models import hf_gpt2, hf_transformers
 
 VOCAB = 128
-IDS = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(3))
+IDS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
 INPUTS = {"input_ids": IDS, "labels": IDS, "use_cache": False}
 
 
 def gpt2() -> nn.Module:
-    return hf_gpt2(n_layer=4, n_positions=64, vocab_size=VOCAB, bos_token_id=0,
+    return hf_gpt2(n_layer=3, n_positions=64, vocab_size=VOCAB, bos_token_id=0,
                    eos_token_id=0).train()
 
 
@@ -72,7 +72,7 @@ def test_a_budget_no_plan_meets_is_a_value_error_naming_the_least_peak_reached()
     with pytest.raises(ValueError, match=(
             r"no plan keeps one training step within peak_bytes=1,000: plain autograd's step "
             r"peaks at [\d,]+ bytes \(at \w+, .*\), and the least this planner reaches, every one "
-            r"of the 4 candidate modules checkpointed, peaks at ([\d,]+) .*Raise peak_bytes")) as e:
+            r"of the 3 candidate modules checkpointed, peaks at ([\d,]+) .*Raise peak_bytes")) as e:
         ckptlib.plan_checkpointing(model, INPUTS, peak_bytes=1000)
     least = int(e.value.args[0].split("checkpointed, peaks at ")[1].split(" ")[0].replace(",", ""))
     assert least <= full
@@ -85,11 +85,12 @@ def test_the_printed_plan_and_handle_are_tables_and_say_what_the_budget_bounds()
     plan = ckptlib.plan_checkpointing(model, INPUTS, peak_bytes=10**9)
     lines = str(plan).splitlines()
     assert lines[0].split() == ["module", "how", "kept", "bytes", "rerun", "cost"]
-    assert [line.split()[:2] for line in lines[1:5]] == [[f"transformer.h.{i}", "keep"]
-                                                         for i in range(4)]
+    assert [line.split()[:2] for line in lines[1:4]] == [[f"transformer.h.{i}", "keep"]
+                                                         for i in range(3)]
     assert lines[-1].startswith("one training step's peak (forward, loss, backward, gradients): "
                                 f"measured {plan.measured_peak_bytes:,} <= budget 1,000,000,000")
     assert plan.module_paths() == ()           # plain fits: nothing to rerun
+    assert all(way.how != "offload" for ways in plan.ways for way in ways)   # frees nothing here
     with apply_checkpointing(model) as handle:
         lines = str(handle).splitlines()
     assert lines[0].split() == ["module", "how", "kept", "bytes", "rerun", "cost"]
@@ -102,19 +103,19 @@ def test_optimizer_state_counts_toward_the_budget():
     model = gpt2()
     plain = ckptlib.plan_checkpointing(model, INPUTS, peak_bytes=10**9)
     state = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    with_state = ckptlib.plan_checkpointing(model, INPUTS, peak_bytes=plain.plain_peak_bytes + state
-                                            - 1, optimizer_state_bytes=state)
+    budget = plain.plain_peak_bytes + state - 1
+    with_state = ckptlib.plan_checkpointing(model, INPUTS, peak_bytes=budget,
+                                            optimizer_state_bytes=state)
     assert with_state.plain_peak_bytes == plain.plain_peak_bytes + state
-    assert with_state.module_paths() and with_state.measured_peak_bytes < plain.plain_peak_bytes + state
+    assert with_state.module_paths() and with_state.measured_peak_bytes <= budget
     assert "and optimizer state" in str(with_state)
 
 
-def test_offloading_a_cpu_model_warns_that_it_frees_nothing_and_the_planner_never_offloads():
+def test_offloading_a_cpu_model_warns_that_it_frees_nothing():
     model = gpt2()
     with pytest.warns(UserWarning, match=r"offload.*lives on the CPU.*frees nothing"):
         apply_checkpointing(model, how="offload").remove()
-    plan = ckptlib.plan_checkpointing(model, INPUTS, peak_bytes=10**9)
-    assert all(way.how != "offload" for ways in plan.ways for way in ways)
+    assert not any("forward" in vars(module) for module in model.modules())
 
 
 def test_the_default_covers_both_of_t5s_stacks():
