@@ -23,12 +23,14 @@ on the inputs it got in the step, once per way: keep, full checkpoint, each sele
 offload (only on a device where it frees memory: on the CPU the saved tensors are in host memory
 already). Per way: the bytes it holds for backward after its forward (*dropped* is keep's minus
 this), how much higher its backward peaks than keep's (the rerun), and its time over keep's (the
-least of a few alternating runs each, in the thread's CPU time on the CPU; at least the forward
-for a full checkpoint): the *rerun cost*. Times are measured, not counted: an LSTM's rerun is
-not free because a FLOP counter cannot see it, and a selective policy whose per-op dispatch costs
-more than it saves is seen to be slower than full checkpointing, so it is chosen only where it
-keeps fewer bytes for its time. The costs are rounded to powers of 1.5, so that a
-busy machine plans as an idle one does.
+least of a few alternating runs each, the median of three such rounds, in the thread's CPU time
+on the CPU, with the garbage collector paused; at least the forward for a full checkpoint): the
+*rerun cost*. Times are measured, not counted: an LSTM's rerun is not free because a FLOP
+counter cannot see it, and a selective policy whose per-op dispatch costs more than it saves is
+seen to be slower than full checkpointing. A way that keeps more bytes
+than full checkpointing (selective) must also cost clearly less, under two thirds of full's
+time, or it is left out: a near tie would let the machine's load choose. The costs are rounded
+to powers of 1.5; with both rules a busy machine plans as an idle one does.
 
 Model. In the order their forwards end, the candidates nest: a later one's forward ends later and
 its backward begins earlier (autograd runs backward in reverse). So at each op, the candidates
@@ -48,6 +50,7 @@ a ``ValueError`` names the least peak reached: every candidate checkpointed its 
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -67,7 +70,9 @@ __all__ = ["plan_step_peak", "StepPlan", "WayCost", "PeakPlace", "call_model", "
 
 KEEP = "keep"
 COST_STEP = 1.5       # rerun costs are rounded to powers of this (see the notes)
-TIMED_RUNS = 5        # per way and group: runs of each, kept and this way, alternating
+TIMED_RUNS = 5        # per round: runs of each, kept and this way, alternating
+TIMED_ROUNDS = 3      # per way and group: the median round
+CLEARLY_LESS = 2 / 3  # a way that keeps more than full must cost under this share of its time
 SOLVES = 3            # at most this many corrections of the model by a measured run
 
 
@@ -469,8 +474,17 @@ def _measure_ways(step: _Step, hows: tuple[Any, ...],
                 continue   # frees nothing on this device (offload on the CPU, say)
             ways.append(WayCost(how, way_kept, dropped, max(0, way_peak - peak),
                                 _rounded(extra_s) if how != KEEP else 0.0))
-        measured[index] = tuple(ways)
+        measured[index] = _clear_winners(ways)
     return [measured[group] for group, _, _ in captured]
+
+
+def _clear_winners(ways: list[WayCost]) -> tuple[WayCost, ...]:
+    """Keep, full, and each other way that costs clearly less than full (see the notes)."""
+    full = [way.rerun_s for way in ways if way.how == "full"]
+    if not full:
+        return tuple(ways)
+    return tuple(way for way in ways
+                 if way.how in (KEEP, "full") or way.rerun_s < CLEARLY_LESS * full[0])
 
 
 def _measure_way(step: _Step, path: str, module: nn.Module, how: Any, args: tuple,
@@ -478,11 +492,11 @@ def _measure_way(step: _Step, path: str, module: nn.Module, how: Any, args: tupl
     """(bytes held after forward, peak bytes, seconds over keeping's) of the module's forward and
     backward alone, checkpointed ``how``.
 
-    Runs alternate, one kept (the class's own ``forward``) and one this way, and the least time
-    of each counts. On the CPU the clock is the calling thread's CPU time, which other processes
-    on a busy machine do not stretch as they stretch wall time (the least of five wall times
-    varied 100-fold on a loaded 2-core machine, the thread's CPU time by a third); on a GPU,
-    wall time after synchronising. A full checkpoint costs at least its forward.
+    Runs alternate, one kept (the class's own ``forward``) and one this way; the least time of
+    each in a round counts, and the median of three rounds. On the CPU the clock is the calling
+    thread's CPU time, which other processes on a busy machine do not stretch as they stretch
+    wall time; on a GPU, wall time after synchronising. A full checkpoint costs at least its
+    forward, which it runs again.
     """
     hows = {} if how == KEEP else {path: how}
 
@@ -519,13 +533,26 @@ def _measure_way(step: _Step, path: str, module: nn.Module, how: Any, args: tupl
             del output
         if how == KEEP:
             return kept, meter.peak_bytes, 0.0
-        forward_s, keep_s, way_s = math.inf, math.inf, math.inf
-        for _ in range(TIMED_RUNS):
-            forward, whole = timed(kept_as_is)
-            forward_s, keep_s = min(forward_s, forward), min(keep_s, whole)
-            way_s = min(way_s, timed(module)[1])
+        collecting = gc.isenabled()
+        gc.disable()   # as timeit does: a collection of the whole heap inside one run
+        try:
+            extra_s = [_timed_round(timed, kept_as_is, module, how) for _ in range(TIMED_ROUNDS)]
+        finally:
+            if collecting:
+                gc.enable()
     module.zero_grad(set_to_none=True)
-    return kept, meter.peak_bytes, max(way_s - keep_s, forward_s if how == "full" else 0.0)
+    return kept, meter.peak_bytes, sorted(extra_s)[len(extra_s) // 2]
+
+
+def _timed_round(timed: Callable, kept_as_is: Callable, module: nn.Module, how: Any) -> float:
+    """One round of alternating runs: the least time this way minus the least kept, at least the
+    forward for a full checkpoint."""
+    forward_s, keep_s, way_s = math.inf, math.inf, math.inf
+    for _ in range(TIMED_RUNS):
+        forward, whole = timed(kept_as_is)
+        forward_s, keep_s = min(forward_s, forward), min(keep_s, whole)
+        way_s = min(way_s, timed(module)[1])
+    return max(way_s - keep_s, forward_s if how == "full" else 0.0)
 
 
 def _fresh_leaf(value: Any) -> Any:
