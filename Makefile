@@ -48,11 +48,13 @@ BENCH_ARGS ?= --threads 1 --clock cpu --rounds 100
 
 figures: setup
 	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS) --figures figures
+	$(BIN)/python benchmarks/frontier.py --from-json benchmarks/results/frontier.json --figures figures
 
 bench: setup
 	$(BIN)/python -m benchmarks.bench $(BENCH_ARGS) --json benchmarks/results/cpu.json --markdown benchmarks/README.md --figures figures
 	$(BIN)/python benchmarks/region_cost.py --json benchmarks/results/region_cost.json --markdown benchmarks/README.md
 	$(BIN)/python benchmarks/hf_models.py --json benchmarks/results/hf_models.json --markdown benchmarks/README.md
+	$(BIN)/python benchmarks/frontier.py --json benchmarks/results/frontier.json --markdown benchmarks/README.md --figures figures
 
 # The GPU run (see benchmarks/README.md): `make gpu-wheels` here fills .whl/ with what the GPU
 # machine lacks; there, `benchmarks/gpu_check.sh OUTDIR` runs every CUDA check in one go.

@@ -32,6 +32,7 @@ _PUBLIC = {
     "apply_checkpointing": "apply",
     "remove_checkpointing": "apply",
     "plan_checkpointing": "model_plan",
+    "StepPlan": "step_plan",
     "checkpoint_sequential": "sequential",
     "Plan": "schedules",
     "uniform": "schedules",

@@ -6,12 +6,20 @@ Design notes
 Which modules. A model is a tree of modules named by path (``transformer.h.1``,
 as ``model.named_modules()`` spells it). ``select`` picks some of them: a module
 class (``GPT2Block``), a path pattern (``"transformer.h.*"``, shell-style, as
-``fnmatch``), a predicate ``(path, module) -> bool``, or, by default, *every
-repeated layer*: the children of the longest ``nn.ModuleList`` / ``nn.Sequential``
-whose children are all of one class (a Transformer's blocks). A selected module
+``fnmatch``), a predicate ``(path, module) -> bool``, a plan from
+``plan_checkpointing``, or, by default, *every repeated stack*: the children of each
+``nn.ModuleList`` / ``nn.Sequential`` whose two or more children are blocks (modules
+with modules inside) of one class: a Transformer's layers, T5's encoder and decoder
+both. A model with no such stack gets the longest stack of single layers (a
+``Sequential`` of ``Linear`` s). A selected module
 inside another selected module is left alone: the outer checkpoint already drops
 its activations. ``every_n=k`` then keeps every k-th of them, the first included
 (Hugging Face's ``every_n_layers`` counts the same way).
+
+A plan from ``plan_checkpointing(..., peak_bytes=...)`` says, per module, *how*: full,
+a selective policy, or offloading; each module is wrapped its own way, and the
+selective ones share one ``SelectivePlans``, so after the first step their forward
+runs without a dispatch mode (the time the planner measured).
 
 How they are wrapped. Each chosen module gets an *instance* attribute ``forward``
 that runs the original ``forward`` inside ``ckptlib.checkpoint`` (or a selective
@@ -63,11 +71,12 @@ from ckptlib.core.checkpoint import checkpoint
 from ckptlib.core.compile import run_eagerly_under_dynamo
 from ckptlib.offload import offload_saved_tensors
 from ckptlib.schedules import Plan
-from ckptlib.selective import selective_checkpoint
-from ckptlib.selective.policy import as_predicate
+from ckptlib.selective import SelectivePlans, selective_checkpoint
+from ckptlib.selective.policy import as_predicate, policy_name
 from ckptlib.sequential import checkpoint_sequential
 
-__all__ = ["apply_checkpointing", "remove_checkpointing", "Checkpointed", "repeated_layers"]
+__all__ = ["apply_checkpointing", "remove_checkpointing", "Checkpointed", "repeated_layers",
+           "repeated_stacks"]
 
 Selector = Union[None, str, type, tuple, list, Callable[[str, nn.Module], bool]]
 HOWS = ("full", "offload")
@@ -86,15 +95,17 @@ def apply_checkpointing(
 
     Args:
         model: any ``nn.Module`` (a Hugging Face model included).
-        select: which submodules: ``None`` for every repeated layer (the children of the
-            longest ``ModuleList``/``Sequential`` of one class), a module class or tuple of
-            classes, a path pattern or list of patterns (``"transformer.h.*"``), a
-            predicate ``(path, module) -> bool``, or a plan from :func:`plan_checkpointing`.
+        select: which submodules: ``None`` for every repeated stack (see
+            :func:`repeated_stacks`), a module class or tuple of classes, a path pattern or
+            list of patterns (``"transformer.h.*"``), a predicate ``(path, module) -> bool``,
+            or a plan from :func:`plan_checkpointing` (a step-peak plan also says how, per
+            module; ``how`` is then ignored).
         how: ``"full"`` (``ckptlib.checkpoint``), a ``Plan`` over the selected layers (its
             layer i is the i-th selected module; a segment of several layers needs them to be
             the children of an ``nn.Sequential``), ``"offload"`` (keep saved tensors in
             CPU memory, ``offload_saved_tensors``), or a selective policy
-            (``ckptlib.save_matmuls``, ``ckptlib.megatron_attention``, ...).
+            (``ckptlib.save_matmuls``, ``ckptlib.megatron_attention``, ...). Offloading on a
+            model that lives on the CPU warns: its saved tensors are in host memory already.
         every_n: checkpoint every n-th selected module, the first included.
         plans: a ``SelectivePlans`` for a selective ``how`` (reused plans per module).
         preserve_rng_state: as for ``ckptlib.checkpoint``.
@@ -110,7 +121,10 @@ def apply_checkpointing(
     ...     print(handle)
     ...     loss = model.training_step()
     ...     list(model.state_dict()) == keys
-    checkpointed (full): blocks.0, blocks.1, blocks.2
+    module    how   kept bytes  rerun cost
+    blocks.0  full           -           -
+    blocks.1  full           -           -
+    blocks.2  full           -           -
     True
     >>> "forward" in vars(model.blocks[0])        # removed again: the class's forward
     False
@@ -124,12 +138,17 @@ def apply_checkpointing(
     chosen = selected_modules(model, select)[::every_n]
     if isinstance(how, Plan):
         return _apply_plan(model, chosen, how, every_n, preserve_rng_state)
-    handle = Checkpointed(model, how)
+    hows = _hows_of(select, chosen, how)
+    if "offload" in hows.values():
+        _warn_if_offloading_frees_nothing(model)
+    if plans is None and hasattr(select, "module_hows"):
+        plans = SelectivePlans()   # the planner timed selective layers with reused plans
+    handle = Checkpointed(model, how, plan=select if hasattr(select, "module_hows") else None)
     for path, module in chosen:
         _refuse_double_checkpointing(path, module)
         _refuse_wrapped(path, module, model)
     for path, module in chosen:
-        _wrap(module, path, how, plans, preserve_rng_state, handle)
+        _wrap(module, path, hows[path], plans, preserve_rng_state, handle)
     return handle
 
 
@@ -155,10 +174,12 @@ class Checkpointed:
     """What :func:`apply_checkpointing` did: the module paths wrapped, and how; undo with
     :meth:`remove`."""
 
-    def __init__(self, model: nn.Module, how: Any) -> None:
+    def __init__(self, model: nn.Module, how: Any, plan: Any = None) -> None:
         self.model: nn.Module | None = model   # None in a copy (see __getstate__)
         self.how = how
+        self.plan = plan                # a step-peak plan: its bytes, costs and measured peak
         self.paths: list[str] = []
+        self.hows: dict[str, Any] = {}  # path -> how that module is checkpointed
         self.warned: set[str] = set()   # which one-time warnings this handle has given
 
     def remove(self) -> None:
@@ -195,20 +216,61 @@ class Checkpointed:
         return len(self.paths)
 
     def __str__(self) -> str:
-        if isinstance(self.how, str):
-            how = self.how
-        elif isinstance(self.how, Plan):
-            how = f"plan {self.how.name}"
-        else:
-            how = f"selective {getattr(self.how, '__name__', 'policy')}"
-        return f"checkpointed ({how}): " + (", ".join(self.paths) or "nothing")
+        """A table: module, how, bytes it keeps for backward and its rerun cost (known from a
+        step-peak plan, else ``-``), and the plan's measured step peak."""
+        if not self.paths:
+            return "checkpointed: nothing"
+        rows = [("module", "how", "kept bytes", "rerun cost")]
+        for path in self.paths:
+            kept, cost = self.plan.cost_of(path) if self.plan is not None else ("-", "-")
+            how = self.how if isinstance(self.how, Plan) else self.hows[path]   # the plan's name
+            rows.append((path, how_name(how), kept, cost))
+        widths = [max(len(row[column]) for row in rows) for column in range(4)]
+        lines = [f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:>{widths[2]}}  "
+                 f"{row[3]:>{widths[3]}}" for row in rows]
+        if self.plan is not None:
+            lines.append(self.plan.peak_line())
+        return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def how_name(how: Any) -> str:
+    """How a module is checkpointed, in a word or two: ``full``, ``offload``, ``keep``,
+    ``selective save_matmuls``, ``plan <name>``."""
+    if isinstance(how, str):
+        return how
+    if isinstance(how, Plan):
+        return f"plan {how.name}"
+    return f"selective {policy_name(how)}"
 
 
 # ---------------------------------------------------------------------------
 # Choosing modules
 # ---------------------------------------------------------------------------
+
+
+def repeated_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The children of every ``ModuleList``/``Sequential`` whose two or more children are blocks
+    of one class (modules with modules inside), outermost stacks only; with no such stack, the
+    longest stack of single layers (:func:`repeated_layers`).
+
+    T5 has two stacks, its encoder's blocks and its decoder's: both are chosen, as Hugging Face's
+    own switch chooses them.
+
+    >>> import ckptlib
+    >>> [path for path, _ in repeated_stacks(ckptlib.TinyTransformer(depth=2))]
+    ['blocks.0', 'blocks.1']
+    """
+    found: list[tuple[str, nn.Module]] = []
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(container.named_children())
+        if (len(children) >= 2 and len({type(child) for _, child in children}) == 1
+                and all(next(child.children(), None) is not None for _, child in children)):
+            found += [(f"{path}.{name}" if path else name, child) for name, child in children]
+    return _outermost(found) or repeated_layers(model)
 
 
 def repeated_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -241,7 +303,7 @@ def _selected(model: nn.Module, select: Selector) -> list[tuple[str, nn.Module]]
         if not select:
             return []
     if select is None:
-        found = repeated_layers(model)
+        found = repeated_stacks(model)
         if not found:
             raise ValueError(f"apply_checkpointing: {type(model).__name__} has no ModuleList or "
                              "Sequential of repeated layers; choose modules with a class, a path "
@@ -344,6 +406,28 @@ def _apply_plan(model: nn.Module, chosen: list[tuple[str, nn.Module]], plan: Pla
     return handle
 
 
+def _hows_of(select: Selector, chosen: list[tuple[str, nn.Module]], how: Any) -> dict[str, Any]:
+    """path -> how for each chosen module: a step-peak plan's own choice per module, else
+    ``how``."""
+    hows_of = getattr(select, "module_hows", None)
+    if hows_of is None:
+        return {path: how for path, _ in chosen}
+    hows = hows_of()
+    for each in hows.values():
+        _check_how(each)
+    return {path: hows[path] for path, _ in chosen}
+
+
+def _warn_if_offloading_frees_nothing(model: nn.Module) -> None:
+    devices = {t.device.type for t in (*model.parameters(), *model.buffers())}
+    if devices <= {"cpu"}:
+        warnings.warn(
+            f"apply_checkpointing(how='offload'): {type(model).__name__} lives on the CPU, where "
+            "its saved tensors already are: offloading frees nothing (and copies nothing). To "
+            "save memory here, use how='full' or a selective policy such as "
+            "ckptlib.save_matmuls; offload a model on a GPU.", UserWarning, stacklevel=3)
+
+
 def _refuse_wrapped(path: str, module: nn.Module, model: nn.Module) -> None:
     if _wrapper_of(module) is not None:
         raise ValueError(f"apply_checkpointing: {path or type(model).__name__} is already "
@@ -357,8 +441,11 @@ def _refuse_double_checkpointing(path: str, module: nn.Module) -> None:
         raise CheckpointError(
             f"{path}: Hugging Face's gradient checkpointing is on for this layer as well, so it "
             "would be checkpointed twice (rerun twice in backward). Call "
-            "model.gradient_checkpointing_disable() before ckptlib.apply_checkpointing(model), "
-            "or use only Hugging Face's switch.")
+            "model.activation_checkpointing_disable() (before transformers 5: "
+            "model.gradient_checkpointing_disable()) before ckptlib.apply_checkpointing(model), "
+            "or use only Hugging Face's switch. Under a Trainer, the switch is turned on by "
+            "TrainingArguments(activation_checkpointing=True) (gradient_checkpointing=True, its "
+            "deprecated alias): leave it False when ckptlib checkpoints the model.")
 
 
 # ---------------------------------------------------------------------------
@@ -447,6 +534,7 @@ def _wrap(module: nn.Module, path: str, how: Any, plans: Any, preserve_rng_state
     # an instance attribute: nn.Module.__call__ finds it before the class's
     module.forward = wrapper
     handle.paths.append(path)
+    handle.hows[path] = how
 
 
 class _OpByName:

@@ -49,8 +49,9 @@ from ckptlib._arguments import integer
 from ckptlib.core.checks import storage_ptr, storage_ptrs
 from ckptlib.memory.allocations import storage_bytes
 from ckptlib.apply import Selector, selected_modules
+from ckptlib.step_plan import StepPlan, call_model, plan_step_peak
 
-__all__ = ["plan_checkpointing", "ModelPlan", "ModuleCost"]
+__all__ = ["plan_checkpointing", "ModelPlan", "ModuleCost", "StepPlan"]
 
 
 @dataclass(frozen=True)
@@ -106,30 +107,45 @@ class ModelPlan:
             lines.append(f"{cost.path:<{width}}  {mark:^12}  {cost.kept_bytes:>12,}  "
                          f"{cost.dropped_bytes:>13,}  {cost.rerun_flops:>12,}")
         share = self.rerun_flops / self.forward_flops if self.forward_flops else 0.0
-        lines.append(f"plain autograd keeps {self.saved_bytes:,} bytes; "
+        lines.append(f"activations kept for backward (not the step's peak: plan with "
+                     f"peak_bytes= for that): plain autograd keeps {self.saved_bytes:,} bytes; "
                      f"this plan {self.kept_bytes:,} after forward, "
                      f"peak {self.peak_bytes:,} <= budget {self.budget_bytes:,}; "
                      f"reruns {self.rerun_flops:,} FLOPs ({share:.0%} of the forward)")
         return "\n".join(lines)
 
 
-def plan_checkpointing(model: nn.Module, example_inputs: Any, *, budget_bytes: int,
-                       select: Selector = None) -> ModelPlan:
-    """The modules to checkpoint so that ``model``'s activations fit ``budget_bytes``, at the least
-    rerun FLOPs.
+def plan_checkpointing(model: nn.Module, example_inputs: Any, *, peak_bytes: int | None = None,
+                       budget_bytes: int | None = None, select: Selector = None,
+                       hows: Any = None, loss_fn: Any = None,
+                       optimizer_state_bytes: int = 0) -> ModelPlan | StepPlan:
+    """How to checkpoint ``model``'s repeated modules for a memory budget, at the least cost.
+
+    Two budgets, give one:
+
+    * ``peak_bytes``: the peak of one whole training step (forward, loss, backward, the
+      gradients), as ckptlib's meter measures it on the model's device, plus
+      ``optimizer_state_bytes``: the number a device's memory must hold. Per module the plan
+      keeps it, checkpoints it fully or with a selective policy, or offloads it (on a GPU),
+      for the least measured time; it runs the chosen plan once under the meter and records the
+      measured peak and where it happened. Returns a :class:`~ckptlib.step_plan.StepPlan`
+      (design notes in :mod:`ckptlib.step_plan`).
+    * ``budget_bytes``: only what autograd keeps for backward (parameters, gradients, logits'
+      gradient and temporaries not counted), full checkpoints only, at the least rerun FLOPs,
+      from two forward passes and no timing. Returns a :class:`ModelPlan`.
 
     Args:
-        model: any ``nn.Module``; it runs forward twice on ``example_inputs`` (no backward,
-            the caller's RNG untouched).
+        model: any ``nn.Module``; the planner runs it on ``example_inputs`` (the caller's RNG
+            and gradients untouched).
         example_inputs: a dict of keyword arguments
             (``{"input_ids": ..., "attention_mask": ...}``), a tuple of positional ones, or one
             tensor: a batch like the training batches.
-        budget_bytes: the bound on what autograd keeps for backward (parameters, gradients and
-            optimizer state are not counted).
         select: the candidate modules, as for :func:`ckptlib.apply_checkpointing` (default: every
-            repeated layer).
+            repeated stack).
+        hows, loss_fn, optimizer_state_bytes: for ``peak_bytes`` only, see
+            :func:`ckptlib.step_plan.plan_step_peak`.
 
-    Raises ValueError when even checkpointing every candidate does not fit, naming the least.
+    Raises ValueError when no plan fits, naming the least peak (or kept bytes) reached.
 
     >>> import ckptlib
     >>> model = ckptlib.TinyTransformer(depth=4, d_model=32, seq=16)
@@ -147,6 +163,16 @@ def plan_checkpointing(model: nn.Module, example_inputs: Any, *, budget_bytes: i
     if not isinstance(model, nn.Module):
         raise TypeError("plan_checkpointing: model must be an nn.Module, "
                         f"got {type(model).__name__}.")
+    if (peak_bytes is None) == (budget_bytes is None):
+        raise TypeError("plan_checkpointing: give one budget: peak_bytes= (the peak of one "
+                        "training step) or budget_bytes= (the activations kept for backward).")
+    if peak_bytes is not None:
+        return plan_step_peak(model, example_inputs, peak_bytes=peak_bytes, select=select,
+                              hows=hows, loss_fn=loss_fn,
+                              optimizer_state_bytes=optimizer_state_bytes)
+    if (hows, loss_fn, optimizer_state_bytes) != (None, None, 0):
+        raise TypeError("plan_checkpointing: hows=, loss_fn= and optimizer_state_bytes= are for "
+                        "peak_bytes=; budget_bytes= plans full checkpoints of what autograd keeps.")
     integer(budget_bytes, "budget_bytes", least=0, unit="number of bytes",
             where="plan_checkpointing")
     candidates = selected_modules(model, select)
@@ -162,14 +188,6 @@ def plan_checkpointing(model: nn.Module, example_inputs: Any, *, budget_bytes: i
 # ---------------------------------------------------------------------------
 # Measuring
 # ---------------------------------------------------------------------------
-
-
-def _call(model: nn.Module, example_inputs: Any) -> Any:
-    if isinstance(example_inputs, dict):
-        return model(**example_inputs)
-    if isinstance(example_inputs, tuple):
-        return model(*example_inputs)
-    return model(example_inputs)
 
 
 def _storages(value: Any) -> dict[int, int]:
@@ -220,7 +238,7 @@ def _measure_bytes(model: nn.Module, example_inputs: Any,
 
     with (_hooks(candidates, before, after),
           torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)):
-        alive.append(_call(model, example_inputs))
+        alive.append(call_model(model, example_inputs))
     dropped = {path: sum(n for p, n in made[path].items() if p not in outputs[path])
                for path in made}
     kept = {path: sum(inputs[path].values()) for path in inputs}
@@ -253,7 +271,7 @@ def _measure_flops(model: nn.Module, example_inputs: Any,
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:
-        _call(model, example_inputs)
+        call_model(model, example_inputs)
     counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
     root = type(model).__name__
     return ({path: int(counts.get(f"{root}.{path}", 0)) for path, _ in candidates},

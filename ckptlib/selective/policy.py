@@ -213,3 +213,15 @@ def megatron_attention(op: OpOverload, *args: Any, **kwargs: Any) -> bool:
 # By shape alone it also chooses outputs that no backward formula needs: hold it to plain
 # autograd's bytes (ckptlib.selective.cache, "Never more than plain autograd").
 megatron_attention.cap_every_op = True  # type: ignore[attr-defined]
+
+
+def policy_name(policy: Policy) -> str:
+    """A policy's name for tables: ``save_matmuls`` for the ready set, a function's own name, or
+    ``policy``.
+
+    >>> policy_name(save_matmuls), policy_name(megatron_attention)
+    ('save_matmuls', 'megatron_attention')
+    """
+    if policy is save_matmuls or policy == save_matmuls:
+        return "save_matmuls"
+    return getattr(policy, "__name__", "policy")

@@ -185,8 +185,10 @@ def test_every_snippet_of_the_hugging_face_page_runs_and_checkpoints_with_ckptli
     tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)              # Trainer's output_dir
-    blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
-    assert len(blocks) == 8
+    text = DOCS.read_text()
+    assert "_set_gradient_checkpointing" not in text   # public APIs only
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 7
     namespace: dict = {}
     regions = []
     for number, block in enumerate(blocks):
@@ -196,17 +198,51 @@ def test_every_snippet_of_the_hugging_face_page_runs_and_checkpoints_with_ckptli
     model = namespace["hf_model"]
     assert regions[1] == {f"transformer.h.{i}" for i in range(4)}  # apply_checkpointing
     assert regions[2] == {"transformer.h.0", "transformer.h.2"}  # every_n=2, as a context manager
-    assert namespace["handle"].paths == ["transformer.h.0", "transformer.h.2"]
-    assert regions[3] == set()  # HF's switch: torch.utils.checkpoint
-    assert regions[4] == {"GPT2Block.forward"}  # HF's switch, ckptlib's function
-    assert regions[5] == {"GPT2Block.forward"}  # selective, through HF's switch
-    plans = namespace["plans"]
-    assert (len(plans), plans.recorded, plans.reused) == (4, 4, 4)  # each layer's plan reused
-    assert regions[6] == {
+    assert regions[3] == set() and regions[4] == set()  # HF's switch: torch.utils.checkpoint
+    assert regions[5] == {
         f"transformer.h.{i}" for i in range(4)
     }  # Trainer after apply_checkpointing
-    assert regions[7] == {"GPT2Block.forward"}  # Trainer's switch, swapped in
+    plan = namespace["plan"]
+    assert plan.module_paths() and regions[6] >= set(plan.module_paths())  # the callback's plan
     assert not any("forward" in vars(module) for module in model.modules())
+
+
+def test_the_switch_with_a_ckptlib_policy_in_torchs_selective_checkpoint_is_bitwise():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    model = gpt2()
+    plain = step(model)
+    keep_matmuls = functools.partial(
+        create_selective_checkpoint_contexts, list(ckptlib.save_matmuls)
+    )
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": keep_matmuls}
+    )
+    try:
+        assert_same_step(plain, step(model))
+    finally:
+        model.activation_checkpointing_disable()
+
+
+def test_trainers_activation_checkpointing_with_ckptlib_names_the_flag(tmp_path, monkeypatch):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    monkeypatch.chdir(tmp_path)
+    model = gpt2()
+
+    class Apply(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            apply_checkpointing(model)
+
+    rows = [{"input_ids": INPUT_IDS[0], "labels": INPUT_IDS[0]}] * 2
+    args = TrainingArguments("build/trainer", max_steps=1, per_device_train_batch_size=2,
+                             report_to="none", save_strategy="no", use_cpu=True,
+                             activation_checkpointing=True)
+    with pytest.raises(CheckpointError, match=r"activation_checkpointing_disable\(\).*"
+                       r"TrainingArguments\(activation_checkpointing=True\).*leave it False"):
+        Trainer(model=model, args=args, train_dataset=rows, callbacks=[Apply()]).train()
+    assert remove_checkpointing(model) == []   # refused before anything was wrapped
+    model.activation_checkpointing_disable()
 
 
 def test_the_readmes_three_lines_run_on_a_hugging_face_model():
@@ -214,21 +250,17 @@ def test_the_readmes_three_lines_run_on_a_hugging_face_model():
     section = readme.split("## Use it on your model", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
     model = gpt2()
-    batch = {
-        "input_ids": INPUT_IDS,
-        "attention_mask": PADDED,
-        "labels": INPUT_IDS,
-        "use_cache": False,
-    }
+    batch = {"input_ids": INPUT_IDS, "attention_mask": PADDED, "labels": INPUT_IDS}
     torch.manual_seed(1234)
-    expected = model(**batch).loss
+    expected = model(**batch, use_cache=False).loss
     torch.manual_seed(1234)
     with record_trace() as trace:
         exec(compile(code, "README.md", "exec"), {"model": model, "batch": batch})
     assert trace.count("recompute") == 4
     assert not any("forward" in vars(module) for module in model.modules())
+    assert "use_cache=False" in code   # no key/value cache in training
     torch.manual_seed(1234)
-    assert torch.equal(model(**batch).loss, expected)
+    assert torch.equal(model(**batch, use_cache=False).loss, expected)
 
 
 def test_plan_checkpointing_on_llama_is_the_same_twice_predicts_what_is_kept_and_trains_bitwise():
