@@ -186,7 +186,8 @@ WRONG_ANSWERS = {
         def saved_roles(node):
             roles = set()
             for attribute in dir(node):
-                if attribute.startswith("_saved_") and isinstance(getattr(node, attribute), torch.Tensor):
+                saved = getattr(node, attribute) if attribute.startswith("_saved_") else None
+                if isinstance(saved, torch.Tensor):
                     roles.add("output" if attribute == "_saved_result" else "input")
             return roles
         """,
@@ -203,7 +204,8 @@ WRONG_ANSWERS = {
         def saved_roles(node):
             roles = set()
             for attribute in dir(node):
-                if attribute.startswith("_saved_") and isinstance(getattr(node, attribute), torch.Tensor):
+                saved = getattr(node, attribute) if attribute.startswith("_saved_") else None
+                if isinstance(saved, torch.Tensor):
                     output = re.fullmatch(r"_saved_(result\\d*|indices)", attribute)
                     roles.add("output" if output else "input")
             return roles
@@ -376,7 +378,8 @@ WRONG_ANSWERS = {
 
         input_checked_checkpoint = make_checkpoint(InputCheckedFrame)
         """,
-        r"checkpoint\(fn, 2\.0, h\): h was modified in place after forward and the rerun went ahead",
+        r"checkpoint\(fn, 2\.0, h\): h was modified in place after forward and the rerun went "
+        r"ahead",
     ),
 }
 
