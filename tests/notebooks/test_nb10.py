@@ -9,14 +9,13 @@ attempted yet"), with each ``fixed_NAME`` the solution defines replaced by the c
 from __future__ import annotations
 
 import ast
-import os
 import textwrap
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from tests._notebooks import run_cell
+from tests._notebooks import in_folder, run_cell
 
 pytestmark = pytest.mark.slow   # the whole notebook, two DDP runs in fresh processes, torch.compile
 
@@ -34,16 +33,10 @@ def graded_cells(path: Path) -> dict[str, nbformat.NotebookNode]:
 def solved() -> dict:
     """The namespace after every code cell of the solutions notebook ran, in order."""
     namespace: dict = {"__name__": "clinic"}
-    here = os.getcwd()
-    os.chdir(
-        SOLUTIONS.parent
-    )  # where the notebook runs: it finds notebooks/clinic_ddp.py from there
-    try:
+    with in_folder(SOLUTIONS.parent):   # where the notebook runs: it finds clinic_ddp.py from there
         for cell in nbformat.read(SOLUTIONS, as_version=4).cells:
             if cell.cell_type == "code":
                 run_cell(cell.source, namespace, f"<solutions {cell.id}>")
-    finally:
-        os.chdir(here)
     return namespace
 
 

@@ -107,6 +107,41 @@ def test_the_solution_passes_and_the_stub_is_not_attempted(number, exercise):
     assert "not attempted" in self_check(number, exercise, stub(number, exercise)).lower()
 
 
+def roles_by_name(output_pattern: str) -> str:
+    """A 01 Ex2 answer that calls a saved tensor an output when its attribute's name matches
+    ``output_pattern``, an input otherwise."""
+    return f"""
+import re
+
+def saved_roles(node):
+    roles = set()
+    for attribute in dir(node):
+        saved = getattr(node, attribute) if attribute.startswith("_saved_") else None
+        if isinstance(saved, torch.Tensor):
+            roles.add("output" if re.fullmatch({output_pattern!r}, attribute) else "input")
+    return roles
+"""
+
+
+# 03 Ex3: versions kept for the tensor arguments only, then paired with every argument, so that
+# in checkpoint(fn, 2.0, h) the number gets h's version and h none.
+TENSOR_VERSIONS_ZIPPED_WITH_ALL_ARGUMENTS = """
+class InputCheckedFrame(CheckedFrame):
+    def __init__(self, fn, args):
+        super().__init__(fn, args)
+        self.versions = [arg._version for arg in args if isinstance(arg, torch.Tensor)]
+
+    def rerun(self):
+        for position, (arg, version) in enumerate(zip(self.args, self.versions)):
+            if arg._version != version:
+                raise CheckpointError(f"input #{position} was modified in place")
+        super().rerun()
+
+
+input_checked_checkpoint = make_checkpoint(InputCheckedFrame)
+"""
+
+
 # Each wrong answer: (notebook, exercise, the answer's code, what the self-check's message must
 # say).
 WRONG_ANSWERS = {
@@ -182,15 +217,7 @@ WRONG_ANSWERS = {
     "01 Ex2: only _saved_result an output (layer norm's statistics, max's indices)": (
         "01",
         "exercise-2",
-        """
-        def saved_roles(node):
-            roles = set()
-            for attribute in dir(node):
-                saved = getattr(node, attribute) if attribute.startswith("_saved_") else None
-                if isinstance(saved, torch.Tensor):
-                    roles.add("output" if attribute == "_saved_result" else "input")
-            return roles
-        """,
+        roles_by_name(r"_saved_result"),
         r"layer_norm\(s\) .*: yours \['input'\], saved \['input', 'output'\]; "
         r"s\.max\(dim=0\) .*: yours \['input'\], saved \['output'\]; "
         r"s\.sort\(\): yours \['input'\], saved \['output'\]\..*_saved_result1",
@@ -198,18 +225,7 @@ WRONG_ANSWERS = {
     "01 Ex2: every _saved_indices an output, embedding's too": (
         "01",
         "exercise-2",
-        """
-        import re
-
-        def saved_roles(node):
-            roles = set()
-            for attribute in dir(node):
-                saved = getattr(node, attribute) if attribute.startswith("_saved_") else None
-                if isinstance(saved, torch.Tensor):
-                    output = re.fullmatch(r"_saved_(result\\d*|indices)", attribute)
-                    roles.add("output" if output else "input")
-            return roles
-        """,
+        roles_by_name(r"_saved_(result\d*|indices)"),
         r"embedding\(ids, table\): yours \['output'\], saved \['input'\].*"
         r"embedding's _saved_indices is an input$",
     ),
@@ -343,41 +359,16 @@ WRONG_ANSWERS = {
     "03 Ex3: versions of the tensor arguments zipped with all the arguments": (
         "03",
         "exercise-3",
-        """
-        class InputCheckedFrame(CheckedFrame):
-            def __init__(self, fn, args):
-                super().__init__(fn, args)
-                self.versions = [arg._version for arg in args if isinstance(arg, torch.Tensor)]
-
-            def rerun(self):
-                for position, (arg, version) in enumerate(zip(self.args, self.versions)):
-                    if arg._version != version:
-                        raise CheckpointError(f"input #{position} was modified in place")
-                super().rerun()
-
-
-        input_checked_checkpoint = make_checkpoint(InputCheckedFrame)
-        """,
+        TENSOR_VERSIONS_ZIPPED_WITH_ALL_ARGUMENTS,
         r"checkpoint\(fn, 2\.0, h\) raised AttributeError: .*Keep one version per argument",
     ),
     "03 Ex3: the same, the non-tensors skipped when comparing": (
         "03",
         "exercise-3",
-        """
-        class InputCheckedFrame(CheckedFrame):
-            def __init__(self, fn, args):
-                super().__init__(fn, args)
-                self.versions = [arg._version for arg in args if isinstance(arg, torch.Tensor)]
-
-            def rerun(self):
-                for position, (arg, version) in enumerate(zip(self.args, self.versions)):
-                    if isinstance(arg, torch.Tensor) and arg._version != version:
-                        raise CheckpointError(f"input #{position} was modified in place")
-                super().rerun()
-
-
-        input_checked_checkpoint = make_checkpoint(InputCheckedFrame)
-        """,
+        TENSOR_VERSIONS_ZIPPED_WITH_ALL_ARGUMENTS.replace(
+            "if arg._version != version:",
+            "if isinstance(arg, torch.Tensor) and arg._version != version:",
+        ),
         r"checkpoint\(fn, 2\.0, h\): h was modified in place after forward and the rerun went "
         r"ahead",
     ),

@@ -9,15 +9,13 @@ without an error and must not say "not attempted".
 """
 from __future__ import annotations
 
-import contextlib
-import os
 from pathlib import Path
 
 import matplotlib
 import nbformat
 import pytest
 
-from tests._notebooks import run_cell
+from tests._notebooks import in_folder, run_cell
 
 pytestmark = pytest.mark.slow   # each notebook runs whole, as nbval runs it
 
@@ -44,16 +42,6 @@ def with_solutions(notebook: Path) -> list[nbformat.NotebookNode]:
         cells.append(cell)
     assert not answers, f"{solutions.name} has exercises {notebook.name} lacks: {sorted(answers)}"
     return cells
-
-
-@contextlib.contextmanager
-def in_folder(folder: Path):
-    here = os.getcwd()
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(here)
 
 
 @pytest.mark.parametrize("notebook", MAIN, ids=[path.stem[:2] for path in MAIN])

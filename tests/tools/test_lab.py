@@ -8,7 +8,6 @@ resolves from the copy exactly as it would from a ``lab/`` in this repository.
 """
 from __future__ import annotations
 
-import contextlib
 import doctest
 import os
 import re
@@ -22,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import lab as lab_tool  # noqa: E402  (tools/lab.py)
 
-from tests._notebooks import run_cell  # noqa: E402
+from tests._notebooks import in_folder, run_cell  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
@@ -44,16 +43,6 @@ def lab(repository: Path) -> Path:
 
 def notebooks_in(folder: Path) -> list[Path]:
     return sorted(folder.rglob("*.ipynb"))
-
-
-@contextlib.contextmanager
-def working_directory(folder: Path):
-    here = os.getcwd()
-    os.chdir(folder)
-    try:
-        yield
-    finally:
-        os.chdir(here)
 
 
 def test_the_doctests_in_the_lab_tool():
@@ -99,19 +88,19 @@ def test_every_relative_link_in_the_copy_leads_where_it_does_from_notebooks(lab)
 
 
 @pytest.mark.parametrize("folder", ["", "solutions"])
-def test_the_clinic_finds_its_ddp_helper_from_the_copy(lab, folder):
+def test_the_clinic_finds_its_ddp_helper_from_the_copy(lab, folder, monkeypatch):
     """Notebook 10 and its solutions import clinic_ddp.py from their folder or the one above."""
+    monkeypatch.delitem(sys.modules, "clinic_ddp", raising=False)   # imported from notebooks/
+    monkeypatch.setattr(sys, "path", list(sys.path))                # before, by test_nb10
     name = "10_clinic.ipynb" if not folder else "10_clinic_solutions.ipynb"
     cells = nbformat.read(lab / folder / name, as_version=4).cells
     setup = next(cell.source for cell in cells if "clinic_ddp.py" in cell.source
                  and "sys.path.insert" in cell.source)
     namespace: dict = {}
-    with working_directory(lab / folder):
+    with in_folder(lab / folder):
         run_cell(setup, namespace)
         run_cell("import clinic_ddp", namespace)
     assert Path(namespace["clinic_ddp"].__file__).resolve() == (lab / "clinic_ddp.py").resolve()
-    sys.modules.pop("clinic_ddp")
-    sys.path.remove(str(lab))
 
 
 def test_notebook_06_loads_the_benchmark_module_from_the_copy(lab):
@@ -122,7 +111,7 @@ def test_notebook_06_loads_the_benchmark_module_from_the_copy(lab):
     )
     loading = source[: source.index("spec.loader.exec_module(region_cost)")]
     namespace: dict = {}
-    with working_directory(lab):
+    with in_folder(lab):
         run_cell(loading, namespace)
         assert Path(namespace["spec"].origin).resolve() == (ROOT / "benchmarks" / "region_cost.py")
 
