@@ -3,7 +3,10 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-NOTEBOOK ?= notebooks/00_welcome_and_setup.ipynb
+# The notebook `make lab` opens, in the learner's working copy lab/ (tools/lab.py): a name such as
+# 05_memory_vs_compute.ipynb or solutions/05_memory_vs_compute_solutions.ipynb; a notebooks/ path
+# opens its lab/ copy.
+NOTEBOOK ?= 00_welcome_and_setup.ipynb
 # JupyterLab refuses to run as root without this flag (containers, CI).
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 
@@ -25,9 +28,12 @@ $(STAMP): pyproject.toml constraints.txt | check-python
 	@touch $(STAMP)
 	@echo "Environment ready in $(VENV)."
 
+# lab/ is notebooks/ with the outputs cleared, so predictions are made blind; git ignores it, and a
+# second `make lab` keeps every edit the learner made there.
 lab: setup
 	@command -v dot >/dev/null || echo "note: Graphviz 'dot' not found; graphs render with the bundled WebAssembly Graphviz instead."
-	$(BIN)/jupyter lab $(ROOT_FLAG) --notebook-dir=. $(LAB_ARGS) $(NOTEBOOK)
+	$(BIN)/python tools/lab.py
+	$(BIN)/jupyter lab $(ROOT_FLAG) --notebook-dir=. $(LAB_ARGS) lab/$(patsubst notebooks/%,%,$(NOTEBOOK))
 
 # The linter first (ruff: line length 100, pyflakes); the layering check is tests/tools/test_layers.py.
 test: setup lint

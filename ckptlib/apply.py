@@ -199,7 +199,9 @@ class Checkpointed:
         # A copy of a checkpointed module (copy.deepcopy, pickle) copies its wrappers and so this
         # handle; without the model, or a deep copy of one layer would copy the whole model it came
         # from. The copy's wrappers still warn once each; remove_checkpointing(copy) undoes them.
-        return {**self.__dict__, "model": None, "how": _picklable(self.how)}
+        # The step-peak plan measured the original model; a copy keeps the hows, not the plan.
+        return {**self.__dict__, "model": None, "how": _picklable(self.how), "plan": None,
+                "hows": {path: _picklable(how) for path, how in self.hows.items()}}
 
     def warn_once(self, key: str, message: str) -> None:
         if key not in self.warned:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import linecache
+import os
 from pathlib import Path
 
 import nbformat
@@ -40,6 +41,17 @@ def run_cell(source: str, namespace: dict, name: str = "<notebook cell>") -> str
     with contextlib.redirect_stdout(printed):
         exec(compile(source, name, "exec"), namespace)
     return printed.getvalue()
+
+
+@contextlib.contextmanager
+def in_folder(folder: Path):
+    """Run the block with ``folder`` as the working directory, as a notebook in it runs."""
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(here)
 
 
 def step_peak(model: nn.Module, batch, mode) -> int:

@@ -6,9 +6,10 @@ Each test names the notebook section whose words it checks; when one fails, the 
 Exercise 1 (a BatchNorm pre-hook that survives early stop): an answer that takes back the counter
 increment in every recomputation, without asking whether BatchNorm updates anything (the first
 official solution), leaves ``num_batches_tracked`` at -3 after three eval-mode steps; one that asks
-about train mode only fails on ``track_running_stats=False``, whose counter is ``None``. The cells
-are
-the notebook's own, taken by cell id or nbgrader grade id and executed.
+about train mode only fails on ``track_running_stats=False``, whose counter is ``None``; one whose
+handle takes the hook off but leaves the momentum a recomputation set to 0.0 (the second official
+solution) leaves a BatchNorm that never updates again. The cells are the notebook's own, taken by
+cell id or nbgrader grade id and executed.
 """
 from __future__ import annotations
 
@@ -183,17 +184,38 @@ def train_mode_check_only(bn):
     return bn.register_forward_pre_hook(pre_hook)
 
 
+def momentum_left_at_zero(bn):
+    """The second official solution: right while the hook is on, but a recomputation sets the
+    momentum to 0.0 and the hook's handle does not give it back, so after ``remove()`` the
+    BatchNorm never updates its statistics again."""
+    momentum = bn.momentum
+
+    def pre_hook(module, args):
+        if not is_recomputing():
+            module.momentum = momentum
+        elif module.training and module.track_running_stats:
+            module.momentum = 0.0
+            module.num_batches_tracked.sub_(1)
+
+    return bn.register_forward_pre_hook(pre_hook)
+
+
 @pytest.mark.parametrize(
     "answer, words",
     [
         (without_mode_check, "eval mode: num_batches_tracked ends at -3, plain at 0"),
+        (
+            momentum_left_at_zero,
+            "after handle.remove(), bn.momentum is 0.0, not 0.1: this BatchNorm would never update "
+            "its statistics again",
+        ),
         (
             train_mode_check_only,
             "track_running_stats=False: the hook raised AttributeError: 'NoneType' object has no "
             "attribute 'sub_'",
         ),
     ],
-    ids=["no train-mode check", "no track_running_stats check"],
+    ids=["no train-mode check", "momentum not given back", "no track_running_stats check"],
 )
 def test_exercise_1_check_rejects_a_wrong_answer(answer, words):
     namespace = namespace_04()

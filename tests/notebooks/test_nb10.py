@@ -9,13 +9,13 @@ attempted yet"), with each ``fixed_NAME`` the solution defines replaced by the c
 from __future__ import annotations
 
 import ast
-import os
+import textwrap
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from tests._notebooks import run_cell
+from tests._notebooks import in_folder, run_cell
 
 pytestmark = pytest.mark.slow   # the whole notebook, two DDP runs in fresh processes, torch.compile
 
@@ -33,16 +33,10 @@ def graded_cells(path: Path) -> dict[str, nbformat.NotebookNode]:
 def solved() -> dict:
     """The namespace after every code cell of the solutions notebook ran, in order."""
     namespace: dict = {"__name__": "clinic"}
-    here = os.getcwd()
-    os.chdir(
-        SOLUTIONS.parent
-    )  # where the notebook runs: it finds notebooks/clinic_ddp.py from there
-    try:
+    with in_folder(SOLUTIONS.parent):   # where the notebook runs: it finds clinic_ddp.py from there
         for cell in nbformat.read(SOLUTIONS, as_version=4).cells:
             if cell.cell_type == "code":
                 run_cell(cell.source, namespace, f"<solutions {cell.id}>")
-    finally:
-        os.chdir(here)
     return namespace
 
 
@@ -82,3 +76,103 @@ def test_self_check_fails_on_the_broken_code_and_passes_on_the_solution(solved, 
         )  # not an Exception: not caught
 
     assert "solved" in run_cell(check, dict(solved), f"<learner {check_id}, solution>")
+
+
+# Wrong answers learners wrote, each one the self-check must refuse with a message that says what
+# is wrong: (the exercise's grade id, the answer's code, what the message must say).
+WRONG_ANSWERS = {
+    "Ex1: every other block": (
+        "exercise-1",
+        """
+        def fixed_stack_step(model, x):
+            for i, block in enumerate(model):
+                x = ckptlib.checkpoint(block, x) if i % 2 == 0 else block(x)
+            return x.square().mean()
+        """,
+        r"blocks \[1, 3, 5, 7\] ran once in the step: no checkpoint recomputes them",
+    ),
+    "Ex1: two halves": (
+        "exercise-1",
+        """
+        def fixed_stack_step(model, x):
+            x = ckptlib.checkpoint(model[:4], x)
+            return ckptlib.checkpoint(model[4:], x).square().mean()
+        """,
+        r"2 recomputations of a ckptlib.checkpoint for 8 blocks: checkpoint each block in its own",
+    ),
+    "Ex4: set_rng_state without fork_rng": (
+        "exercise-4",
+        """
+        class ReplayingCheckpoint(HomemadeCheckpoint):
+            @staticmethod
+            def forward(ctx, fn, x, *params):
+                ctx.rng_state = torch.get_rng_state()
+                return HomemadeCheckpoint.forward(ctx, fn, x, *params)
+
+            @staticmethod
+            def backward(ctx, grad_output):
+                torch.set_rng_state(ctx.rng_state)
+                return HomemadeCheckpoint.backward(ctx, grad_output)
+
+
+        def fixed_guided_checkpoint(fn, x, *params):
+            return ReplayingCheckpoint.apply(fn, x, *params)
+        """,
+        r"the caller's random stream is not where plain leaves it: something drew between forward "
+        r"and backward.*torch\.random\.fork_rng",
+    ),
+    "Ex5: no checkpoint at all": (
+        "exercise-5",
+        """
+        def fixed_bn_forward(model, x):
+            return model(x)
+        """,
+        r"Linear #0, ReLU #2, Linear #3 ran once in the step: nothing is recomputed there",
+    ),
+    "Ex5: only the last Linear": (
+        "exercise-5",
+        """
+        def fixed_bn_forward(model, x):
+            return ckptlib.checkpoint(model[3], model[:3](x))
+        """,
+        r"Linear #0, ReLU #2 ran once in the step",
+    ),
+    "Ex6: autocast hard-coded to bfloat16": (
+        "exercise-6",
+        """
+        def fixed_autocast_checkpoint(fn, *args):
+            return homemade_checkpoint(
+                fn, *args, rerun_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+        """,
+        r"a forward without autocast (failed in backward|: gradients differ)"
+        r".*rather than assume bfloat16",
+    ),
+    "Ex6: enabled recorded, the dtype hard-coded": (
+        "exercise-6",
+        """
+        def fixed_autocast_checkpoint(fn, *args):
+            enabled = torch.is_autocast_enabled("cpu")
+            return homemade_checkpoint(
+                fn, *args,
+                rerun_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled))
+        """,
+        r"a forward under float16 autocast (failed in backward|: gradients differ)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_ANSWERS))
+def test_self_check_fails_on_a_wrong_answer_and_says_why(solved, case):
+    grade_id, answer, message = WRONG_ANSWERS[case]
+    namespace = dict(solved)
+    run_cell(textwrap.dedent(answer), namespace, f"<wrong answer {case}>")
+    with pytest.raises(AssertionError, match=message):
+        run_cell(graded_cells(LEARNER)[f"{grade_id}-check"].source, namespace, f"<check {case}>")
+
+
+def test_exercise_2_the_reentrant_fix_passes_too(solved):
+    """The exercise says two fixes work: the solution's second, the reentrant checkpoint on an input
+    that requires grad, passes the self-check as the first does."""
+    namespace = dict(solved, fixed_lora_block=solved["reentrant_lora_block"])
+    printed = run_cell(graded_cells(LEARNER)["exercise-2-check"].source, namespace)
+    assert printed.startswith("Exercise 2 solved"), printed

@@ -107,6 +107,41 @@ def test_the_solution_passes_and_the_stub_is_not_attempted(number, exercise):
     assert "not attempted" in self_check(number, exercise, stub(number, exercise)).lower()
 
 
+def roles_by_name(output_pattern: str) -> str:
+    """A 01 Ex2 answer that calls a saved tensor an output when its attribute's name matches
+    ``output_pattern``, an input otherwise."""
+    return f"""
+import re
+
+def saved_roles(node):
+    roles = set()
+    for attribute in dir(node):
+        saved = getattr(node, attribute) if attribute.startswith("_saved_") else None
+        if isinstance(saved, torch.Tensor):
+            roles.add("output" if re.fullmatch({output_pattern!r}, attribute) else "input")
+    return roles
+"""
+
+
+# 03 Ex3: versions kept for the tensor arguments only, then paired with every argument, so that
+# in checkpoint(fn, 2.0, h) the number gets h's version and h none.
+TENSOR_VERSIONS_ZIPPED_WITH_ALL_ARGUMENTS = """
+class InputCheckedFrame(CheckedFrame):
+    def __init__(self, fn, args):
+        super().__init__(fn, args)
+        self.versions = [arg._version for arg in args if isinstance(arg, torch.Tensor)]
+
+    def rerun(self):
+        for position, (arg, version) in enumerate(zip(self.args, self.versions)):
+            if arg._version != version:
+                raise CheckpointError(f"input #{position} was modified in place")
+        super().rerun()
+
+
+input_checked_checkpoint = make_checkpoint(InputCheckedFrame)
+"""
+
+
 # Each wrong answer: (notebook, exercise, the answer's code, what the self-check's message must
 # say).
 WRONG_ANSWERS = {
@@ -163,6 +198,36 @@ WRONG_ANSWERS = {
             return ROLES.get(type(node).__name__, set())
         """,
         r"s\.fmod\(three\) .*: yours \['input'\], saved \[\]",
+    ),
+    "01 Ex2: only _saved_self, _saved_other and _saved_result looked at": (
+        "01",
+        "exercise-2",
+        """
+        def saved_roles(node):
+            roles = set()
+            for name, role in [("_saved_self", "input"), ("_saved_other", "input"),
+                               ("_saved_result", "output")]:
+                if isinstance(getattr(node, name, None), torch.Tensor):
+                    roles.add(role)
+            return roles
+        """,
+        r"linear\(s\[None\]\) \(AddmmBackward0\): yours \[\], saved \['input'\].*"
+        r"every tensor among them counts \(a Linear keeps _saved_mat1\)",
+    ),
+    "01 Ex2: only _saved_result an output (layer norm's statistics, max's indices)": (
+        "01",
+        "exercise-2",
+        roles_by_name(r"_saved_result"),
+        r"layer_norm\(s\) .*: yours \['input'\], saved \['input', 'output'\]; "
+        r"s\.max\(dim=0\) .*: yours \['input'\], saved \['output'\]; "
+        r"s\.sort\(\): yours \['input'\], saved \['output'\]\..*_saved_result1",
+    ),
+    "01 Ex2: every _saved_indices an output, embedding's too": (
+        "01",
+        "exercise-2",
+        roles_by_name(r"_saved_(result\d*|indices)"),
+        r"embedding\(ids, table\): yours \['output'\], saved \['input'\].*"
+        r"embedding's _saved_indices is an input$",
     ),
     "02 Ex1: a dict keyed by id(tensor)": (
         "02",
@@ -290,6 +355,22 @@ WRONG_ANSWERS = {
         input_checked_checkpoint = make_checkpoint(InputCheckedFrame)
         """,
         r"the second argument was modified in place .*not only the first",
+    ),
+    "03 Ex3: versions of the tensor arguments zipped with all the arguments": (
+        "03",
+        "exercise-3",
+        TENSOR_VERSIONS_ZIPPED_WITH_ALL_ARGUMENTS,
+        r"checkpoint\(fn, 2\.0, h\) raised AttributeError: .*Keep one version per argument",
+    ),
+    "03 Ex3: the same, the non-tensors skipped when comparing": (
+        "03",
+        "exercise-3",
+        TENSOR_VERSIONS_ZIPPED_WITH_ALL_ARGUMENTS.replace(
+            "if arg._version != version:",
+            "if isinstance(arg, torch.Tensor) and arg._version != version:",
+        ),
+        r"checkpoint\(fn, 2\.0, h\): h was modified in place after forward and the rerun went "
+        r"ahead",
     ),
 }
 
