@@ -54,7 +54,6 @@ _GRAPH_STATUS = {
 }
 TIMELINE_PX = (380, 210)  # the timeline picture's size on screen (drawn at twice the pixels)
 TIMELINE_PT = 11  # its text: 11 pt at 80 px per inch is 12 px on screen
-_NUMBERS = itertools.count()
 
 
 class BackwardStepper(WidgetView):
@@ -156,7 +155,6 @@ class BackwardStepper(WidgetView):
             for f, done in zip(self.frames, self._forward_done)
         ]
         self._windows = self.picture.windows(focuses)
-        self._css_class = f"ckptlib-stepper-{next(_NUMBERS)}"
         self._timeline_png, self._axes_box, self._y_limits = self._draw_timeline()
 
         last = len(self.frames) - 1
@@ -189,6 +187,9 @@ class BackwardStepper(WidgetView):
         # The longest caption, laid out unseen under the current one: the caption's box is as
         # tall as the tallest caption at whatever width, so a click never moves the graph.
         self._longest_caption = max(range(len(self.frames)), key=lambda k: len(self._words(k)))
+        self._longest_event_line = max(
+            range(len(self.frames)), key=lambda k: len(self._event_line(k))
+        )
         self.graph_view = widgets.HTML(layout=widgets.Layout(width="100%"))
         self.timeline_view = widgets.HTML(layout=widgets.Layout(flex="0 0 auto"))
         self.states_view = widgets.HTML(
@@ -315,29 +316,40 @@ class BackwardStepper(WidgetView):
                 f"{counts['leaf edges']} more are a leaf's own memory (a parameter, the batch): "
                 "the dashed edge to that leaf"
             )
-        if counts["inputs kept"]:
+        if self._input_region:   # said at every event, so that the line keeps its height
             notes.append(
                 f"{counts['inputs kept']} checkpoint input(s) kept to rerun from (not a box)"
             )
         notes.append("ops forward has not run yet are pale")
         lines.append(f"<div style='color:#555; margin-top:2px'>{'; '.join(notes)}.</div>")
-        label = frame["tensor"]
-        if label is not None and label in self.tensors:
-            info = self.tensors[label]
-            where = f" · {info['node']}.{info['attribute']}" if info.get("node") else ""
-            drawn = self.picture.drawn_as.get(label)
-            lines.append(
-                f"<div style='margin-top:6px'>this event: <b>{_escape(label)}</b>"
-                f"{_escape(where)} · "
-                f"{describe(info['shape'], info['dtype'], info['nbytes'])} · now "
-                f"<b>{frame['states'].get(label, '-')}</b>"
-                + (f" (in the graph: {_escape(drawn)}, drawn thick)" if drawn else "")
-                + "</div>"
-            )
+        # The event's line and, hidden in the same grid cell, the longest one: the counts and
+        # the timeline beside them keep one height, so the graph below never moves.
+        cell = "grid-area:1/1; margin-top:6px"
+        lines.append(
+            f"<div style='display:grid'><div style='{cell}'>{self._event_line(index)}</div>"
+            f"<div aria-hidden='true' style='{cell}; visibility:hidden'>"
+            f"{self._event_line(self._longest_event_line)}</div></div>"
+        )
         return (
             "<div style='font-size:13px; line-height:1.45; overflow-wrap:anywhere'>"
             + "".join(lines)
             + "</div>"
+        )
+
+    def _event_line(self, index: int) -> str:
+        """What the event's saved tensor is, and where the graph draws it ("" for an op)."""
+        frame = self.frames[index]
+        label = frame["tensor"]
+        if label is None or label not in self.tensors:
+            return ""
+        info = self.tensors[label]
+        where = f" · {info['node']}.{info['attribute']}" if info.get("node") else ""
+        drawn = self.picture.drawn_as.get(label)
+        return (
+            f"this event: <b>{_escape(label)}</b>{_escape(where)} · "
+            f"{describe(info['shape'], info['dtype'], info['nbytes'])} · now "
+            f"<b>{frame['states'].get(label, '-')}</b>"
+            + (f" (in the graph: {_escape(drawn)}, drawn thick)" if drawn else "")
         )
 
     def graph_at(self, index: int) -> AutogradGraph:
@@ -391,10 +403,11 @@ class BackwardStepper(WidgetView):
             "the event (the grey bar on the right: where it is)</div>"
         )
         # A graph wider than the notebook scrolls sideways rather than shrink its text or lose
-        # its edges.
+        # its edges. (An inline-size container is as wide as the notebook, never as its content.)
         return (
-            f"{note}<div style='display:flex'><div style='flex:1 1 auto; min-width:0; "
-            f"overflow-x:auto'>{self.svg(index)}</div>{bar}</div>"
+            f"<div style='container-type:inline-size; width:100%'>{note}<div style='display:flex'>"
+            f"<div class='ckptlib-stepper-scroll' style='flex:1 1 auto; min-width:0; "
+            f"overflow-x:auto'>{self.svg(index)}</div>{bar}</div></div>"
         )
 
     def _draw_timeline(
