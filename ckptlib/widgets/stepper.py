@@ -297,7 +297,6 @@ class BackwardStepper(WidgetView):
         return counts
 
     def _states_html(self, index: int) -> str:
-        frame = self.frames[index]
         counts = self.counts(index)
         chips = "".join(
             "<span style='display:inline-flex; align-items:center; margin:2px 12px 2px 0; "
