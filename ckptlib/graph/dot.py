@@ -77,7 +77,8 @@ STYLES: dict[str, dict[str, str]] = {
     },
     "freed": {"fillcolor": palette.RELEASED, "color": "grey50", "style": "filled,dotted"},
     "modified": {"fillcolor": "tomato"},
-    "module": {"fillcolor": "lightgrey", "shape": "box3d"},
+    # Not an op's grey: the legend's samples are flat boxes, so the fill alone tells them apart.
+    "module": {"fillcolor": "#E8DFCC", "shape": "box3d"},
     "module dropped": {
         "fillcolor": "white",
         "color": palette.DROPPED,
