@@ -117,33 +117,6 @@ def message_html(text: str) -> str:
 
 # The readout's box: three lines of its text (14 px at 1.35), its longest at the plot's width.
 READOUT_HEIGHT = "60px"
-# While a run lasts the dashboard has the class ckptlib-running: its plot is dimmed under the
-# banner (black and white: every colour of the plot means something).
-BUSY_STYLE = (
-    "<style>.ckptlib-running .ckptlib-plot {opacity:0.3; transition:opacity 0.2s}</style>"
-)
-
-
-def busy_html(text: str) -> str:
-    """The banner over the plot while a run lasts ("" for none)."""
-    return (
-        ""
-        if not text
-        else (
-            "<div role='status' style='white-space:normal; max-width:460px; margin:0 auto; "
-            "padding:10px 16px; "
-            "font-size:15px; line-height:1.4; background:white; "
-            f"border:2px solid {palette.HIGHLIGHT}; "
-            "border-radius:6px; box-shadow:0 2px 8px rgba(0,0,0,0.25)'>"
-            "<span style='display:inline-block; width:12px; height:12px; margin-right:8px; "
-            f"border:3px solid #D0D0D0; border-top-color:{palette.HIGHLIGHT}; border-radius:50%; "
-            "animation:ckptlib-spin 1s linear infinite'></span>"
-            f"<b>{html.escape(text)}</b></div>"
-            "<style>@keyframes ckptlib-spin {to {transform:rotate(360deg)}}</style>"
-        )
-    )
-
-
 def readout_html(text: str) -> str:
     """The readout's box: wraps below the plot, at most the plot's width."""
     return (

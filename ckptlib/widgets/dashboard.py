@@ -74,9 +74,9 @@ from ckptlib.widgets._dashboard_models import (
     time_steps)
 from ckptlib.widgets._dashboard_plot import FIGURE_PX, draw, draw_placeholder, new_figure
 from ckptlib.widgets._dashboard_text import (
-    BUSY_STYLE, READOUT_HEIGHT, advice, busy_html, did_not_fit, explanation, message_html,
-    not_implemented, readout, readout_html, settings_label)
-from ckptlib.widgets._view import WidgetView, png_bytes
+    READOUT_HEIGHT, advice, did_not_fit, explanation, message_html, not_implemented, readout,
+    readout_html, settings_label)
+from ckptlib.widgets._view import BUSY_STYLE, WidgetView, over_each_other, png_bytes, show_busy
 
 __all__ = ["MemoryDashboard"]
 
@@ -237,12 +237,12 @@ class MemoryDashboard(WidgetView):
         # Room for the readout's longest text (three lines), so its height never changes.
         self.readout = widgets.HTML(layout=widgets.Layout(min_height=READOUT_HEIGHT))
         self.message = widgets.HTML(value="")
-        # The plot and, in the same grid cell over it, the banner of a run in progress.
-        cell = "1 / 1 / 2 / 2"
         self.plot = widgets.Image(format="png", layout=widgets.Layout(
-            width=f"{FIGURE_PX}px", max_width="100%", height="auto", grid_area=cell))
-        self.busy = widgets.HTML(value="", layout=widgets.Layout(
-            grid_area=cell, align_self="center", width="100%"))
+            width=f"{FIGURE_PX}px", max_width="100%", height="auto"))
+        self.plot.add_class("ckptlib-dims-when-busy")
+        # The banner of a run in progress, laid over the plot (see ckptlib.widgets._view).
+        self.busy = widgets.HTML(value="", layout=widgets.Layout(align_self="center",
+                                                                 width="100%"))
         for name, widget in (("checkpointing", self.checkpointing), ("run", self.run_button),
                              ("readout", self.readout), ("message", self.message),
                              ("plot", self.plot), ("busy", self.busy)):
@@ -256,8 +256,7 @@ class MemoryDashboard(WidgetView):
             widgets.HBox([self.checkpointing, self.schedule, self.run_button],
                          layout=widgets.Layout(**controls)),
             widgets.HBox([self.depth, self.batch, self.steps], layout=widgets.Layout(**controls)),
-            widgets.GridBox([self.plot, self.busy], layout=widgets.Layout(
-                grid_template_columns="auto", justify_content="flex-start")),
+            over_each_other(self.plot, self.busy),
             self.readout, self.message, widgets.HTML(BUSY_STYLE),
         ], layout=widgets.Layout(max_width="100%"))
         self.widget.add_class("ckptlib-dashboard")
@@ -351,11 +350,7 @@ class MemoryDashboard(WidgetView):
     def _say_busy(self, text: str) -> None:
         """Show ``text`` in the banner over the dimmed plot ("" ends the busy state)."""
         self._busy_text = text
-        self.busy.value = busy_html(text)
-        if text:
-            self.widget.add_class("ckptlib-running")
-        else:
-            self.widget.remove_class("ckptlib-running")
+        show_busy(self.widget, self.busy, text)
 
     @property
     def busy_text(self) -> str:

@@ -155,7 +155,11 @@ def test_measuring_freezes_the_controls_and_says_so(explorer):
                 explorer.schedule.disabled,
                 explorer.n.disabled,
                 explorer.parameter.disabled,
-                "Measuring" in explorer.message.value,
+                # A banner over the dimmed pictures says so; the message box above stays empty,
+                # so nothing moves.
+                "measuring" in explorer.busy.value.lower()
+                and "ckptlib-running" in explorer.widget._dom_classes
+                and explorer.message.value == "",
             )
         )
         return original(plan)
@@ -169,6 +173,33 @@ def test_measuring_freezes_the_controls_and_says_so(explorer):
     assert (
         not explorer.n.disabled and not explorer.schedule.disabled and explorer.message.value == ""
     )
+    assert explorer.busy.value == "" and "ckptlib-running" not in explorer.widget._dom_classes
+    # The curve of a new n says how far it has got.
+    banners = []
+    original_curve = explorer._curve_for
+
+    def curve_watching(n):
+        original_plan = explorer.measure_plan
+
+        def plan_watching(plan):
+            banners.append(explorer.busy.value)
+            return original_plan(plan)
+
+        explorer.measure_plan = plan_watching
+        try:
+            return original_curve(n)
+        finally:
+            del explorer.measure_plan
+
+    explorer._curve_for = curve_watching
+    try:
+        explorer.n.value = 18
+    finally:
+        del explorer._curve_for
+    progress = [re.search(r"n = 18: measuring the trade-off curve, plan (\d+) of (\d+)", b)
+                for b in banners]
+    assert progress and all(progress), banners
+    assert int(progress[-1][1]) <= int(progress[-1][2])
 
 
 def test_the_output_carries_a_picture_of_both_plots(explorer):
