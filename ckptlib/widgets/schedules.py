@@ -153,7 +153,10 @@ class ScheduleExplorer(WidgetView):
             width="100%", max_width=f"{TRADEOFF_PX[0]}px"))
         wrap = dict(flex_flow="row wrap")
         self.plots = widgets.HBox([self.plot, self.tradeoff_plot], layout=widgets.Layout(**wrap))
-        self.busy = widgets.HTML(layout=widgets.Layout(align_self="center", width="100%"))
+        # At the pictures' top: on a narrow page they are stacked, taller than the window.
+        self.busy = widgets.HTML(layout=widgets.Layout(align_self="flex-start", width="100%",
+                                                       margin="60px 0 0 0"))
+        self.busy.add_class("ckptlib-busy-banner")
         for dimmed in (self.readout, self.plots):
             dimmed.add_class("ckptlib-dims-when-busy")
         for name, widget in (("schedule", self.schedule), ("n", self.n),
