@@ -180,16 +180,18 @@ class ScheduleExplorer(WidgetView):
         return f"ScheduleExplorer({self.result.get('plan') or 'no plan fits'})"
 
     def _static_png(self) -> bytes | None:
-        """The plan's picture beside the trade-off curve, for front ends without the widget."""
+        """The plan's picture above the trade-off curve, for front ends without the widget:
+        stacked, so that the picture (drawn at twice its pixels) is as narrow as the wider of
+        the two, and a notebook page shrinks its text least."""
         if not self.result.get("plan"):
             return None
         from PIL import Image   # matplotlib depends on Pillow; imported when a picture is asked for
         left, right = (Image.open(io.BytesIO(bytes(image.value)))
                        for image in (self.plot, self.tradeoff_plot))
-        both = Image.new("RGBA", (left.width + right.width, max(left.height, right.height)),
+        both = Image.new("RGBA", (max(left.width, right.width), left.height + right.height),
                          "white")
-        both.paste(left, (0, 0))
-        both.paste(right, (left.width, 0))
+        both.paste(left, ((both.width - left.width) // 2, 0))
+        both.paste(right, ((both.width - right.width) // 2, left.height))
         buffer = io.BytesIO()
         both.save(buffer, format="png")
         return buffer.getvalue()

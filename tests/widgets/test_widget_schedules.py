@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import re
+import struct
 
 import numpy as np
 import pytest
@@ -204,7 +205,15 @@ def test_measuring_freezes_the_controls_and_says_so(explorer):
 
 def test_the_output_carries_a_picture_of_both_plots(explorer):
     bundle = explorer._repr_mimebundle_()
-    assert base64.b64decode(bundle["image/png"]).startswith(PNG_SIGNATURE)
+    png = base64.b64decode(bundle["image/png"])
+    assert png.startswith(PNG_SIGNATURE)
+    # Stacked, not side by side: no wider than the wider picture (drawn at twice its pixels),
+    # so a page 1100 px wide shows its text at least at its size on screen.
+    from ckptlib.widgets._schedule_pictures import PICTURE_PX, TRADEOFF_PX
+
+    width, height = struct.unpack(">II", png[16:24])
+    assert width == 2 * max(PICTURE_PX[0], TRADEOFF_PX[0]) <= 2 * 550
+    assert height >= 2 * (PICTURE_PX[1] + TRADEOFF_PX[1]) - 4
 
 
 def test_the_readout_says_what_each_peak_counts(explorer):
