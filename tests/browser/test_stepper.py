@@ -142,6 +142,11 @@ def test_the_caption_numbers_the_box_drawn_thick_and_nothing_jumps(lab, page, ar
             if len(seen) == 4:
                 page.screenshot(path=str(artifacts / f"stepper_numbers_{width}_shared_box.png"))
         assert kinds == {"edge", "box"} and len(seen) >= 6, (kinds, seen)
+        # The timeline is shown at its size (a 2x picture), so its 11 pt ticks are 12 px.
+        scale = page.locator(".ckptlib-stepper-timeline img").evaluate(
+            "img => img.naturalWidth / img.getBoundingClientRect().width"
+        )
+        assert 1.95 <= scale <= 2.05, scale
         assert_graph_scrolls_instead_of_cutting(page)
     finally:
         page.screenshot(path=str(artifacts / f"stepper_numbers_{width}.png"))
