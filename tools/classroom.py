@@ -112,6 +112,7 @@ require.config({paths: {
 SLIDES_TEMPLATE = "{%- extends 'index.html.j2' -%}" + COMMON_BLOCKS + """
 {% block notebook_css %}{{ super() }}
 <link rel="stylesheet" href="{{ resources.static_url }}/course/slides.css">
+<style>{{ resources.cjk_css }}</style>
 {% endblock notebook_css %}
 {% block footer_js %}
 <script src="{{ resources.static_url }}/course/slides.js"></script>
@@ -141,7 +142,20 @@ SITE_TEMPLATE = "{%- extends 'index.html.j2' -%}" + COMMON_BLOCKS + """
 {%- block body_footer -%}<!-- course-pager -->
 {{ super() }}{%- endblock body_footer -%}
 """
-SITE_CSS = """
+# The seed article's Chinese title: a family that names the CJK fonts a machine may have (CI
+# installs Debian's fonts-noto-cjk), used for CJK characters only (unicode-range), first in the
+# pages' font lists; Latin text falls through to the next family. Without it, a browser whose
+# default fonts have no CJK glyphs draws empty boxes.
+CJK_CSS = """
+@font-face { font-family: "Course CJK";
+  src: local("Noto Sans CJK SC"), local("NotoSansCJKsc-Regular"), local("Noto Sans SC"),
+       local("Source Han Sans SC"), local("WenQuanYi Micro Hei"), local("PingFang SC"),
+       local("Microsoft YaHei");
+  unicode-range: U+3000-303F, U+3400-4DBF, U+4E00-9FFF, U+F900-FAFF, U+FF00-FFEF; }
+.reveal { font-family: "Course CJK", "Source Sans Pro", Helvetica, sans-serif; }
+.jp-RenderedMarkdown { font-family: "Course CJK", var(--jp-content-font-family); }
+"""
+SITE_CSS = CJK_CSS + """
 .course-toc { font-family: var(--jp-ui-font-family); font-size: 14px; line-height: 1.5; }
 .course-toc ul { list-style: none; padding-left: 0; margin: 0.2em 0; }
 .course-toc ul ul { padding-left: 1.2em; font-size: 13px; }
@@ -301,7 +315,7 @@ def build_slides(out: Path) -> list[Path]:
         document = _repository_path(source)
         nb = slides_apart(static_widgets(_titled(nbformat.read(source, as_version=4)), document))
         titles[document] = nb.metadata.get("title", source.stem)
-        text = _render(exporter, nb, source.stem, pages[document])
+        text = _render(exporter, nb, source.stem, pages[document], cjk_css=CJK_CSS)
         decks.append(_write(out, pages[document],
                             rewrite_links(text, document, pages, linked_files)))
     _copy_linked(out, linked_files)

@@ -51,7 +51,7 @@ from ckptlib.graph.nodes import (
 )
 from ckptlib.graph.walk import build_graph
 
-__all__ = ["to_dot", "NotebookDigraph", "STYLES", "LEGEND"]
+__all__ = ["to_dot", "NotebookDigraph", "STYLES", "LEGEND", "memory_key"]
 
 # Not counted: the border of a dropped or recomputed tensor whose bytes are in no total.
 UNCOUNTED_BORDER = "grey75"
@@ -81,7 +81,8 @@ STYLES: dict[str, dict[str, str]] = {
     },
     "freed": {"fillcolor": palette.RELEASED, "color": "grey50", "style": "filled,dotted"},
     "modified": {"fillcolor": "tomato"},
-    "module": {"fillcolor": "lightgrey", "shape": "box3d"},
+    # Not an op's grey: the legend's samples are flat boxes, so the fill alone tells them apart.
+    "module": {"fillcolor": "#E8DFCC", "shape": "box3d"},
     "module dropped": {
         "fillcolor": "white",
         "color": palette.DROPPED,
@@ -284,6 +285,11 @@ def _draw_nodes(dot: graphviz.Digraph, graph: AutogradGraph, nodes: list[GraphNo
     return boxes.used
 
 
+def memory_key(node: GraphNode, saved: SavedTensor) -> tuple:
+    """What one box stands for: saved tensors with the same key are one memory, drawn once."""
+    return saved.view if saved.view is not None else (node.id, saved.name)
+
+
 class _Boxes:
     """Draws nodes and their saved-tensor boxes, one box per memory (see "One box per memory")."""
 
@@ -295,16 +301,12 @@ class _Boxes:
         sharers: dict[tuple, list[SavedTensor]] = {}
         for node in nodes:
             for saved in node.saved:
-                sharers.setdefault(self.key(node, saved), []).append(saved)
+                sharers.setdefault(memory_key(node, saved), []).append(saved)
         # The tensor each box is drawn from: the first sharer in the most alive state.
         self.face = {
             key: min(group, key=lambda s: _MOST_ALIVE_FIRST.index(s.status))
             for key, group in sharers.items()
         }
-
-    @staticmethod
-    def key(node: GraphNode, saved: SavedTensor) -> tuple:
-        return saved.view if saved.view is not None else (node.id, saved.name)
 
     def draw(self, place: graphviz.Digraph, node: GraphNode) -> None:
         """The node and its saved-tensor boxes into ``place``; the dashed edges to them into
@@ -320,7 +322,7 @@ class _Boxes:
                 # A saved leaf is the leaf itself: no copy, so no box of its own.
                 self.edges.append((node.id, self.leaf_of_storage[saved.storage], saved, True))
                 continue
-            key = self.key(node, saved)
+            key = memory_key(node, saved)
             if key not in self.box_of:
                 self.box_of[key] = f"{node.id}.{saved.name}"
                 face = self.face[key]

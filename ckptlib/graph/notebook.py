@@ -26,7 +26,7 @@ import graphviz
 import torch
 from torch import nn
 
-from ckptlib.graph.dot import NotebookDigraph
+from ckptlib.graph.dot import STYLES, NotebookDigraph
 from ckptlib.graph.nodes import AutogradGraph
 from ckptlib.graph.render import render_svg
 from ckptlib.graph.walk import Params, output_tensors
@@ -48,6 +48,10 @@ def torchviz_dot(
     :func:`autograd_graph`; other keywords (``show_attrs``, ``show_saved``) go
     to ``make_dot``. Its node names are ``id()`` values, so its source differs
     from run to run.
+
+    One change to torchviz's colours: its light green output is drawn as ckptlib draws an
+    output (white, bold border), because green means "saved by autograd" in every picture
+    of the course (:mod:`ckptlib.palette`), and the two drawings are shown side by side.
     """
     tensors = output_tensors(outputs, "torchviz_dot")
     if isinstance(params, nn.Module):
@@ -64,8 +68,9 @@ def torchviz_dot(
         from torchviz import make_dot  # optional: only this comparison picture needs it
 
         made = make_dot(output, params=params, **make_dot_kwargs)
+    output_style = " ".join(f"{key}={value}" for key, value in STYLES["output"].items())
     dot = NotebookDigraph(
-        body=list(made.body),
+        body=[line.replace("fillcolor=darkolivegreen1", output_style) for line in made.body],
         graph_attr=made.graph_attr,
         node_attr=made.node_attr,
         edge_attr=made.edge_attr,

@@ -59,8 +59,9 @@ def draw_placeholder(figure: Figure) -> None:
     timeline_axes.text(
         0.5,
         0.5,
-        "Press Run: the live memory of one step appears here,\n"
-        "coloured by phase (forward, backward, recompute).",
+        # Short lines: the text stays inside the axes, clear of the y-axis label.
+        "Press Run: the live memory\nof one step appears here,\ncoloured by phase\n"
+        "(forward, backward, recompute).",
         ha="center",
         va="center",
         transform=timeline_axes.transAxes,

@@ -115,6 +115,8 @@ def message_html(text: str) -> str:
     )
 
 
+# The readout's box: three lines of its text (14 px at 1.35), its longest at the plot's width.
+READOUT_HEIGHT = "60px"
 def readout_html(text: str) -> str:
     """The readout's box: wraps below the plot, at most the plot's width."""
     return (

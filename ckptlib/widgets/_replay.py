@@ -42,6 +42,7 @@ import torch
 from ckptlib.core.errors import RegionId, TensorMeta, shape_text
 from ckptlib.core.trace import record_trace
 from ckptlib.graph import AutogradGraph, autograd_graph
+from ckptlib.graph.dot import memory_key
 from ckptlib.memory import MemoryMeter, format_bytes
 from ckptlib.widgets._step import (
     BeforeOp, Item, Recorder, Slot, Step, find_slots, recorder_hooks, trace_modules_of,
@@ -99,7 +100,8 @@ FRAME_KEYS = tuple(f.name for f in fields(AnimationFrame))
 
 class StepReplay:
     """One step, observed: ``frames``, ``tensors`` (label -> description), ``peak_bytes``, and the
-    ``graph`` after forward with ``slot_of_label`` (label -> where a node keeps that tensor)."""
+    ``graph`` after forward with ``slot_of_label`` (label -> where a node keeps that tensor) and
+    ``sharers`` (label -> every label that is the same memory, itself included, in pack order)."""
 
     def __init__(self, step: Step, all_ops: bool = False) -> None:
         self.step = step
@@ -158,6 +160,14 @@ class StepReplay:
         for (region, index), slot in by_region.items():
             if region in self.region_of_raw:
                 slot_of_label[f"{self.region_of_raw[region]} #{index}"] = slot
+        # Labels that are one memory (a ReLU's output is the next Linear's input) are one box
+        # in the picture; the words name the first of them where a later one is packed.
+        by_memory: dict[tuple, list[str]] = {}
+        for label, slot in slot_of_label.items():
+            node = graph[slot.node_id]
+            saved = next(s for s in node.saved if s.name == slot.name)
+            by_memory.setdefault(memory_key(node, saved), []).append(label)
+        self.sharers = {label: tuple(group) for group in by_memory.values() for label in group}
         return graph, slot_of_label
 
     def _metered_pass(self, all_ops: bool) -> tuple[list[AnimationFrame], int]:
@@ -331,6 +341,9 @@ class _AnimationFrames:
                     text += f", a {owner}'s own memory: nothing extra"
                 elif owner == "leaf" or item.made_before:
                     text += ", an input of the step, made before it: nothing extra"
+                elif self.replay.sharers[label][0] != label:
+                    text += (f", the same memory as {self.replay.sharers[label][0]}: one box in "
+                             "the graph")
             self._add(AnimationFrame("pack", "forward", text, item.live, label, region), "saved")
         elif item.kind == "unpack":
             text = (f"{region} rerun: loads its kept input" if region is not None

@@ -17,12 +17,12 @@ node's autograd creation number (``_sequence_nr``) gives the forward's order; a 
 shown once a node made at or after it has saved a tensor, and every node once forward is
 done.
 
-The window. A graph of a few blocks is taller than a screen beside the controls, and too
-wide to read when squeezed into a narrow notebook. So the picture shows a window of it:
-the whole width on a wide page, a narrower window on a narrow one (CSS container queries
-pick one of the two SVGs), as tall as fits beside the controls. The window moves only when
-the event's box would leave it (it re-centres then), and a thin bar beside it shows which
-part of the graph is in view.
+The window. A graph of a few blocks is taller than a screen beside the controls. So the
+picture shows a band of it: the whole width, as tall as fits beside the controls. The band
+moves only when the event's box would leave it (it re-centres then), and a thin bar beside
+it shows which part of the graph is in view. Sideways nothing is cut: the picture is never
+drawn narrower than :data:`MIN_PX_PER_PT` keeps its text readable, and a graph wider than
+the notebook scrolls sideways instead.
 
 Colours are those of :mod:`ckptlib.palette`, the same in every picture of the course.
 """
@@ -38,7 +38,7 @@ from typing import Any
 from ckptlib import palette
 from ckptlib.graph import AutogradGraph, render_svg, to_dot
 
-__all__ = ["StepPicture", "STATE_STYLES", "NOT_YET"]
+__all__ = ["StepPicture", "STATE_STYLES", "NOT_YET", "MIN_PX_PER_PT"]
 
 NOT_YET = "not packed yet"
 # state -> (fill, border colour, dash pattern or None); the chips beside the graph use the same.
@@ -51,9 +51,10 @@ STATE_STYLES: dict[str, tuple[str, str, str | None]] = {
 }
 _MOST_ALIVE_FIRST = ("saved", "recomputed", "dropped", "released", NOT_YET)
 _PALE_TEXT, _PALE_LINE, _PALE_FILL = "#B4B4B4", "#D6D6D6", "#F7F7F7"
-# The two windows (graph points): the whole width on a wide page, a narrow one below
-# NARROW_BELOW_PX of notebook width; each as tall as WINDOW_ASPECT of its width.
-NARROW_WINDOW_PT, NARROW_BELOW_PX, WINDOW_ASPECT = 500.0, 760, 0.5
+# The band in view: the whole width, at most WINDOW_HEIGHT_PT graph points tall.
+WINDOW_HEIGHT_PT = 290.0
+# The picture's narrowest scale, CSS pixels per graph point: Graphviz's 10 pt labels stay 11 px.
+MIN_PX_PER_PT = 1.1
 _GROUP = re.compile(r'<g id="[^"]*" class="(node|edge)">\n<title>([^<]*)</title>\n(.*?)</g>', re.S)
 _TRANSLATE = re.compile(
     r'<g id="graph0" class="graph" transform="scale\(1 1\) rotate\(0\) '
@@ -78,6 +79,8 @@ class StepPicture:
         slot_of_label: label -> where a node keeps that saved tensor (``StepReplay.slot_of_label``).
         region_of_raw: raw checkpoint name -> the name the words use.
         sequence_of_node: node id -> autograd's creation number.
+        sharers: label -> the labels that are the same memory (``StepReplay.sharers``): one box,
+            which names them all (``saved #1, #2``), so every number the words use is on it.
         collapse: ``None`` or ``"module"`` (one box per submodule), as :func:`ckptlib.graph.to_dot`.
     """
 
@@ -87,10 +90,11 @@ class StepPicture:
         slot_of_label: dict[str, Any],
         region_of_raw: dict[str, str],
         sequence_of_node: dict[str, int],
+        sharers: dict[str, tuple[str, ...]],
         collapse: str | None = None,
     ) -> None:
         self.labels = list(slot_of_label)
-        self.graph = _with_every_tensor(graph, slot_of_label, region_of_raw)
+        self.graph, drawn_name = _with_every_tensor(graph, slot_of_label, region_of_raw, sharers)
         dot = to_dot(self.graph, collapse=collapse, legend=False)
         dot.graph_attr.update(
             ranksep="0.2", nodesep="0.15"
@@ -102,14 +106,21 @@ class StepPicture:
         # What each label is drawn as: a box (its own, a shared one, its module's) or, for a
         # leaf's own memory, the dashed edge from its node to the leaf.
         self.element_of: dict[str, str] = {}
+        # How the words point at it: "the box 'saved #1, #2'", "the dashed edge 'mat2: saved #3'
+        # to its leaf".
+        self.drawn_as: dict[str, str] = {}
         for label, slot in slot_of_label.items():
+            name = drawn_name[slot.node_id, slot.name]
             target = dot.module_boxes.get(slot.node_id) or dot.saved_boxes.get(
-                (slot.node_id, slot.name)
+                (slot.node_id, name)
             )
             if target in self.leaves:
                 self.element_of[label] = f"{slot.node_id}->{target}"
+                self.drawn_as[label] = f"the dashed edge '{name}' to its leaf"
             elif target is not None:
                 self.element_of[label] = target
+                self.drawn_as[label] = ("its module's box" if target in dot.module_boxes.values()
+                                        else f"the box '{_box_name(sharers[label])}'")
         self.node_of_label = {label: slot.node_id for label, slot in slot_of_label.items()}
         self.module_of = dict(dot.module_boxes)
         self.sequence = sequence_of_node
@@ -198,10 +209,13 @@ class StepPicture:
                 f"{self._styled(piece, shown, made, highlight)}</g>"
             )
         x, y, w, h = window
+        size = (
+            f'width="{w:.0f}pt" height="{h:.0f}pt" style="width:100%; '
+            f'min-width:{MIN_PX_PER_PT * w:.0f}px; height:auto; display:block"'
+        )
         return (
             f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="{x:.1f} {y:.1f} {w:.1f} {h:.1f}" '
-            f'width="{w:.0f}pt" height="{h:.0f}pt" style="width:100%; height:auto; display:block">'
-            + "".join(parts)
+            f"{size}>" + "".join(parts)
         )
 
     def _styled(
@@ -269,47 +283,58 @@ class StepPicture:
         x0, y0, x1, y1 = element.box
         return (x0 + x1) / 2, (y0 + y1) / 2
 
-    def windows(
-        self, focuses: list[tuple[float, float] | None], window_width: float
-    ) -> list[tuple]:
-        """One window per event: kept while the event's box stays well inside, else re-centred
-        on it."""
-        w = min(window_width, self.width)
-        h = min(self.height, w * WINDOW_ASPECT)
-        x, y = (self.width - w) / 2, 0.0
+    def windows(self, focuses: list[tuple[float, float] | None]) -> list[tuple]:
+        """One window per event, the graph's whole width: the band in view is kept while the
+        event's box stays well inside it, else re-centred on it."""
+        w, h = self.width, min(self.height, WINDOW_HEIGHT_PT)
+        y = 0.0
         out = []
         for focus in focuses:
-            if focus is not None:
-                fx, fy = focus
-                if not (x + 0.15 * w <= fx <= x + 0.85 * w):
-                    x = fx - w / 2
-                if not (y + 0.15 * h <= fy <= y + 0.85 * h):
-                    y = fy - h / 2
-                x, y = min(max(x, 0.0), self.width - w), min(max(y, 0.0), self.height - h)
-            out.append((x, y, w, h))
+            if focus is not None and not (y + 0.15 * h <= focus[1] <= y + 0.85 * h):
+                y = min(max(focus[1] - h / 2, 0.0), self.height - h)
+            out.append((0.0, y, w, h))
         return out
 
 
+def _box_name(labels: tuple[str, ...]) -> str:
+    """One memory's labels as its box says them: ``saved #1, #2`` (one prefix), else joined."""
+    prefixes = {label.rpartition(" #")[0] for label in labels}
+    if len(prefixes) == 1 and all(" #" in label for label in labels):
+        return f"{prefixes.pop()} " + ", ".join("#" + label.rpartition("#")[2] for label in labels)
+    return ", ".join(labels)
+
+
 def _with_every_tensor(
-    graph: AutogradGraph, slot_of_label: dict[str, Any], region_of_raw: dict[str, str]
-) -> AutogradGraph:
-    """The graph with each saved tensor the step packs, named by its label and in one state
-    (``kept``: a label without a state word, so every box keeps its size whatever it shows)."""
+    graph: AutogradGraph,
+    slot_of_label: dict[str, Any],
+    region_of_raw: dict[str, str],
+    sharers: dict[str, tuple[str, ...]],
+) -> tuple[AutogradGraph, dict[tuple[str, str], str]]:
+    """The graph with each saved tensor the step packs, in one state (``kept``: a label without
+    a state word, so every box keeps its size whatever it shows), and where each is drawn by
+    name: (node id, attribute) -> the name the picture gives it.
+
+    A box is named by every label of its memory; a leaf's own memory has no box, so its label
+    goes on the dashed edge beside the attribute (``mat2: saved #3``)."""
     label_of = {(slot.node_id, slot.name): label for label, slot in slot_of_label.items()}
-    nodes = []
+    nodes, drawn_name = [], {}
     for node in graph.nodes:
-        saved = tuple(
-            dataclasses.replace(
+        saved = []
+        for s in node.saved:
+            label = label_of.get((node.id, s.name))
+            if label is None:
+                continue
+            name = f"{s.name}: {label}" if s.of_leaf else s.name
+            drawn_name[node.id, s.name] = name
+            saved.append(dataclasses.replace(
                 s,
+                name=name,
                 status="kept",
-                tensor_name=label_of[node.id, s.name],
+                tensor_name=_box_name(sharers[label]),
                 region=region_of_raw.get(s.region, s.region),
-            )
-            for s in node.saved
-            if (node.id, s.name) in label_of
-        )
-        nodes.append(dataclasses.replace(node, saved=saved))
-    return dataclasses.replace(graph, nodes=nodes)
+            ))
+        nodes.append(dataclasses.replace(node, saved=tuple(saved)))
+    return dataclasses.replace(graph, nodes=nodes), drawn_name
 
 
 def _set(body: str, tag: str, **attributes: str | None) -> str:

@@ -11,10 +11,17 @@ trusted notebook; an untrusted one, nbconvert's HTML, GitHub and the course site
 the other parts of the output instead. So a widget's output also carries an
 ``image/png`` of its state when it was shown (``_static_png``: by default its first
 picture; a widget whose picture is HTML draws one) and a one-line ``text/plain``.
+A widget at work. A measurement of a widget may take seconds to a minute, and the kernel
+sends each widget update as it is made, while the work goes on. So a widget at work dims
+what it is about to replace (its elements of class ``ckptlib-dims-when-busy``, while the
+whole view has class ``ckptlib-running``) under a banner laid over them in the same grid
+cell (:func:`busy_html`), which says what runs and how far it has got. Nothing moves when
+the banner comes or goes.
 """
 from __future__ import annotations
 
 import base64
+import html
 import io
 from typing import Any
 
@@ -27,6 +34,48 @@ from ckptlib import palette
 PHASE_COLOURS = palette.PHASES
 HIGHLIGHT = palette.HIGHLIGHT   # "this one": the current setting, the cursor, the current schedule
 MUTED = palette.MUTED
+
+
+# Include once in a widget's view (an HTML child): dims what a run is about to replace.
+BUSY_STYLE = (
+    "<style>.ckptlib-running .ckptlib-dims-when-busy {opacity:0.3; transition:opacity 0.2s}"
+    "@keyframes ckptlib-spin {to {transform:rotate(360deg)}}</style>"
+)
+
+
+def busy_html(text: str) -> str:
+    """The banner laid over a widget at work ("" for none): black and white, because every
+    colour of the pictures under it means something."""
+    if not text:
+        return ""
+    return (
+        "<div role='status' style='white-space:normal; max-width:460px; margin:0 auto; "
+        "padding:10px 16px; font-size:15px; line-height:1.4; background:white; "
+        f"border:2px solid {HIGHLIGHT}; border-radius:6px; "
+        "box-shadow:0 2px 8px rgba(0,0,0,0.25)'>"
+        "<span style='display:inline-block; width:12px; height:12px; margin-right:8px; "
+        f"border:3px solid #D0D0D0; border-top-color:{HIGHLIGHT}; border-radius:50%; "
+        "animation:ckptlib-spin 1s linear infinite'></span>"
+        f"<b>{html.escape(text)}</b></div>"
+    )
+
+
+def show_busy(view: widgets.Widget, banner: widgets.HTML, text: str) -> None:
+    """Say ``text`` in ``banner`` and dim ``view``'s pictures ("" ends the busy state)."""
+    banner.value = busy_html(text)
+    if text:
+        view.add_class("ckptlib-running")
+    else:
+        view.remove_class("ckptlib-running")
+
+
+def over_each_other(*children: widgets.Widget) -> widgets.GridBox:
+    """``children`` in one grid cell, the later ones drawn over the earlier (a busy banner over
+    a picture): the cell is as large as the largest, whichever is shown."""
+    for child in children:
+        child.layout.grid_area = "1 / 1 / 2 / 2"
+    return widgets.GridBox(list(children), layout=widgets.Layout(
+        grid_template_columns="auto", justify_content="flex-start"))
 
 
 def png_bytes(figure: Figure, scale: float = 1) -> bytes:

@@ -27,6 +27,15 @@ Run button that is the kernel's main thread, inside the click handler. The
 kernel handles one message at a time, so a click or a toggle that arrives while
 a run is in progress waits in the kernel's queue and is handled after it: runs
 never interleave, and the button is disabled meanwhile so the browser shows it.
+
+A run a learner cannot mistake for a finished one. A step takes from a second to half a
+minute (depth 16, batch 32 on two cores), and the picture of the last step stays until
+the next one is drawn. So while a run lasts, the plot is dimmed and a banner over it
+says what is running and where the run is ("step 1 of 2: timing 3 runs, in turns with
+off"); a widget update is sent as it is made, so the banner moves on during the run. The
+banner lies over the plot, the readout and message boxes below keep their height: nothing
+moves when a run starts or ends. The message of the last run stays until the next run's
+own result replaces it.
 Settings are read once when a run starts, so a toggle applies to the next run.
 A second ``run`` from another thread (or from inside a step) does not wait: it
 finds the run lock taken, says so in the widget and returns ``[]``. No thread is
@@ -65,9 +74,9 @@ from ckptlib.widgets._dashboard_models import (
     time_steps)
 from ckptlib.widgets._dashboard_plot import FIGURE_PX, draw, draw_placeholder, new_figure
 from ckptlib.widgets._dashboard_text import (
-    advice, did_not_fit, explanation, message_html, not_implemented, readout, readout_html,
-    settings_label)
-from ckptlib.widgets._view import WidgetView, png_bytes
+    READOUT_HEIGHT, advice, did_not_fit, explanation, message_html, not_implemented, readout,
+    readout_html, settings_label)
+from ckptlib.widgets._view import BUSY_STYLE, WidgetView, over_each_other, png_bytes, show_busy
 
 __all__ = ["MemoryDashboard"]
 
@@ -195,7 +204,7 @@ class MemoryDashboard(WidgetView):
         self.unsupported: dict[str, str] = {} if model is None else self._refused_by(model)
         self.timer: Callable[[Any, Any], float] = time_one_step
         self._last_schedule = next(label for label in self._schedules if label != OFF)
-        self._message_text = self._readout_text = ""
+        self._message_text = self._readout_text = self._busy_text = ""
         self._syncing = False   # the toggle and the menu are being set together: observers wait
         self._run_lock = threading.Lock()
         fixed_batch = self._applied is not None and self._applied.fixed_batch_size is not None
@@ -213,23 +222,30 @@ class MemoryDashboard(WidgetView):
         self.checkpointing = widgets.ToggleButton(
             value=False, tooltip="Recompute activations in backward instead of keeping them",
             layout=widgets.Layout(width="235px"))
+        # The label takes its own width, the menu the rest: "selective (save matmuls)" fits.
         self.schedule = widgets.Dropdown(options=self._menu(), value=OFF, description="schedule",
-                                         layout=widgets.Layout(width="250px"))
+                                         style={"description_width": "initial"},
+                                         layout=widgets.Layout(width="270px"))
         self.depth = widgets.IntSlider(value=depth, min=1, max=max_depth, description="depth",
                                        disabled=not self._own_model)
         # min=0 on purpose: a learner may slide to an empty batch, and is told why it cannot run.
         self.batch = widgets.IntSlider(value=batch, min=0, max=max_batch, description="batch",
                                        disabled=fixed_batch)
         self.steps = widgets.IntSlider(value=steps, min=1, max=max(10, steps), description="steps")
-        self.run_button = widgets.Button(description="Run", button_style="primary", icon="play")
-        # Two lines' room for the readout: a longer one wraps below the plot and moves nothing.
-        self.readout = widgets.HTML(layout=widgets.Layout(min_height="44px"))
+        self.run_button = widgets.Button(description="Run", button_style="primary", icon="play",
+                                         layout=widgets.Layout(width="90px"))
+        # Room for the readout's longest text (three lines), so its height never changes.
+        self.readout = widgets.HTML(layout=widgets.Layout(min_height=READOUT_HEIGHT))
         self.message = widgets.HTML(value="")
         self.plot = widgets.Image(format="png", layout=widgets.Layout(
             width=f"{FIGURE_PX}px", max_width="100%", height="auto"))
+        self.plot.add_class("ckptlib-dims-when-busy")
+        # The banner of a run in progress, laid over the plot (see ckptlib.widgets._view).
+        self.busy = widgets.HTML(value="", layout=widgets.Layout(align_self="center",
+                                                                 width="100%"))
         for name, widget in (("checkpointing", self.checkpointing), ("run", self.run_button),
                              ("readout", self.readout), ("message", self.message),
-                             ("plot", self.plot)):
+                             ("plot", self.plot), ("busy", self.busy)):
             widget.add_class(f"ckptlib-{name}")  # stable handles for the browser test
         self._style_toggle(False)
         self.checkpointing.observe(self._on_toggle, names="value")
@@ -240,7 +256,8 @@ class MemoryDashboard(WidgetView):
             widgets.HBox([self.checkpointing, self.schedule, self.run_button],
                          layout=widgets.Layout(**controls)),
             widgets.HBox([self.depth, self.batch, self.steps], layout=widgets.Layout(**controls)),
-            self.plot, self.readout, self.message,
+            over_each_other(self.plot, self.busy),
+            self.readout, self.message, widgets.HTML(BUSY_STYLE),
         ], layout=widgets.Layout(max_width="100%"))
         self.widget.add_class("ckptlib-dashboard")
 
@@ -330,6 +347,16 @@ class MemoryDashboard(WidgetView):
         self._message_text = text
         self.message.value = message_html(text)
 
+    def _say_busy(self, text: str) -> None:
+        """Show ``text`` in the banner over the dimmed plot ("" ends the busy state)."""
+        self._busy_text = text
+        show_busy(self.widget, self.busy, text)
+
+    @property
+    def busy_text(self) -> str:
+        """What the banner of a run in progress says (``""`` when no run is in progress)."""
+        return self._busy_text
+
     def _say_readout(self, text: str) -> None:
         self._readout_text = text
         self.readout.value = readout_html(text)
@@ -351,11 +378,13 @@ class MemoryDashboard(WidgetView):
                       "ends.")
             return []
         self.run_button.disabled = True
+        self._say_busy(f"Running {settings_label(self._settings())}: starting…")
         try:
             return self._run_locked(steps)
         finally:
             if self._applied is not None:
                 self._applied.checkpointing = OFF   # the model leaves a run as it came
+            self._say_busy("")
             self.run_button.disabled = False
             self._run_lock.release()
 
@@ -368,7 +397,6 @@ class MemoryDashboard(WidgetView):
         if settings["schedule"] in self.unsupported:
             self._say(self._not_implemented(settings["schedule"]))
             return []
-        self._say("")
         model = self._model_for(settings["depth"])
         try:
             batch = model.example_batch(batch=settings["batch"])
@@ -380,9 +408,10 @@ class MemoryDashboard(WidgetView):
         time_off = settings["checkpointing"] and reference is not None and "peak_bytes" in reference
         records = []
         warm = False
-        for _ in range(steps):
+        for step in range(1, steps + 1):
+            progress = f"Running {settings_label(settings)}: step {step} of {steps}"
             try:
-                record, timeline = self._step(model, batch, settings, warm, time_off)
+                record, timeline = self._step(model, batch, settings, warm, time_off, progress)
             except OverLimit as error:
                 self._record_failure(error, settings)
                 break
@@ -393,6 +422,8 @@ class MemoryDashboard(WidgetView):
                 self._say(self._explain(error, settings))
                 break
             warm = True
+            if step == 1:
+                self._say("")   # this run's own result replaces the last run's message
             self.history.append(record)
             self._outcomes.append(record)
             self.timeline_data = timeline
@@ -407,13 +438,16 @@ class MemoryDashboard(WidgetView):
         return self._model
 
     def _step(self, model: Any, batch: Any, settings: dict[str, Any], warm: bool,
-              time_off: bool) -> tuple[dict[str, Any], list[TimelineEntry]]:
+              time_off: bool, progress: str) -> tuple[dict[str, Any], list[TimelineEntry]]:
         value = self._schedules[settings["schedule"]](settings["depth"])
+        self._say_busy(f"{progress}: measuring memory op by op…")
         report, timeline, loss = measure_step(model, batch, value, self.device,
                                               self.memory_limit_bytes,
                                               watch_torch=settings["schedule"] == TORCH)
         if self._ran_as_plain(value, settings, timeline):
             raise RanAsPlain(settings["schedule"])
+        rounds = f"{TIMED_STEPS} runs" + (", in turns with off" if time_off else "")
+        self._say_busy(f"{progress}: timing {rounds}…")
         times = time_steps(model, batch, value, self.timer, time_off, warm)
         step_times = times["current"]
         record = {**settings, "peak_bytes": report.peak_bytes,

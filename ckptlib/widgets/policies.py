@@ -60,6 +60,10 @@ from ckptlib.widgets._view import WidgetView, png_bytes
 
 __all__ = ["PolicyExplorer"]
 
+# The table's box on a narrow page (it scrolls inside): about nine rows, and the summary below
+# it on the same screen at 1100 x 800.
+TABLE_HEIGHT = "300px"
+
 Signature = tuple[Any, tuple[tuple[int, ...], ...]]   # (aten op overload, input shapes)
 # Inline, so that a page's own ``code`` style (a slide deck's larger type) does not apply.
 _MONOSPACE = "font-family:var(--jp-code-font-family, monospace); font-size:90%"
@@ -215,10 +219,15 @@ class PolicyExplorer(WidgetView):
         wrap = dict(flex_flow="row wrap", align_items="flex-start", max_width="100%")
         # The table, then what the selection costs: side by side where they fit (a wide screen, a
         # slide), one under the other where they do not (a laptop with JupyterLab's side panel).
+        # There the table scrolls inside a box of TABLE_HEIGHT, so that a tick and the summary it
+        # changes are on one screen.
         self.widget = widgets.VBox([
             widgets.Box([self.tick_matmuls, self.tick_cost, self.clear, self.time_button],
                         layout=widgets.Layout(**wrap)),
-            widgets.Box([self.table, widgets.VBox([self.summary, self.plot],
+            widgets.Box([widgets.Box([self.table], layout=widgets.Layout(
+                max_height=TABLE_HEIGHT, overflow_y="auto", margin="0 20px 8px 0",
+                max_width="100%")),
+                widgets.VBox([self.summary, self.plot],
                                                   layout=widgets.Layout(max_width="100%"))],
                         layout=widgets.Layout(**wrap)),
         ], layout=widgets.Layout(max_width="100%"))
@@ -344,12 +353,13 @@ class PolicyExplorer(WidgetView):
                       widgets.HTML("✓" if row["cost_policy"] else "")]
         for position, cell in enumerate(cells):
             cell.layout.width = "auto" if position % 9 == 3 else "max-content"
+            cell.layout.margin = "0"   # compact rows: more of the table in its box
         # Columns as wide as their widest cell, whatever the font (a slide deck's larger type must
         # not run one column into the next); the shapes column wraps past 150 px instead.
         return widgets.GridBox(cells, layout=widgets.Layout(
             grid_template_columns=(
-                "repeat(3, max-content) fit-content(150px) repeat(5, max-content)"),
-            grid_gap="0 10px", align_items="center", max_width="100%", margin="0 20px 8px 0"))
+                "repeat(3, max-content) fit-content(190px) repeat(5, max-content)"),
+            grid_gap="0 10px", align_items="center", max_width="100%"))
 
     def _variants(self) -> dict[str, dict[str, Any]]:
         return {**self.references, SELECTION: self.result}
@@ -383,7 +393,10 @@ class PolicyExplorer(WidgetView):
                 + "".join(rows) + "</table>"
                 "<div style='max-width:520px; line-height:1.3; font-size:0.92em'>"
                 "Kept bytes, calls rerun and rerun FLOPs "
-                f"(matmul FLOPs of a step beyond plain's) are exact. {timed}</div></div>")
+                "(matmul FLOPs of a step beyond plain's) are exact for each variant. The cost "
+                "policy's choice itself follows the op times measured when the explorer was "
+                "built, so its column can change from one build (or machine) to the next. "
+                f"{timed}</div></div>")
 
     def _step_time(self, name: str) -> str:
         """``'20.1 ms<br>15.2-33.0'``: the median over its spread, two short lines for a narrow

@@ -30,8 +30,11 @@ trade-off curve, a fixed family of plans measured once per n, is computed when n
 first shown, leaving out plans of more than ``CURVE_MAX_CALLS_PER_LAYER`` forward calls
 per layer (Revolve with one slot at large n: the curve's far end, and most of its cost).
 Moving the parameter slider then costs one measurement at most, and a redraw. While a
-measurement runs, the controls are frozen and the readout says so: a slider that takes new
-values while the old plan is still on screen reads as if the new one had been measured.
+measurement runs, the controls are frozen, the readout and the pictures are dimmed and a
+banner over the pictures says what is measured and how far the curve has got ("plan 7 of
+19"; a new n takes from a few seconds to most of a minute on two CPU cores): a slider that
+takes new values while the old plan is still on screen reads as if the new one had been
+measured. The banner lies over the pictures, so nothing moves when it comes or goes.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ from ckptlib.schedules.registry import Schedule, registered
 from ckptlib.sequential import measure_layer_costs
 from ckptlib.widgets._schedule_pictures import (
     PICTURE_PX, TRADEOFF_PX, ExplorerPictures, schedule_picture)
-from ckptlib.widgets._view import WidgetView
+from ckptlib.widgets._view import BUSY_STYLE, WidgetView, over_each_other, show_busy
 
 # SCHEDULES: served by __getattr__ below, from the schedule registry
 __all__ = ["ScheduleExplorer", "SCHEDULES", "schedule_picture"]  # noqa: F822
@@ -150,6 +153,12 @@ class ScheduleExplorer(WidgetView):
             width="100%", max_width=f"{TRADEOFF_PX[0]}px"))
         wrap = dict(flex_flow="row wrap")
         self.plots = widgets.HBox([self.plot, self.tradeoff_plot], layout=widgets.Layout(**wrap))
+        # At the pictures' top: on a narrow page they are stacked, taller than the window.
+        self.busy = widgets.HTML(layout=widgets.Layout(align_self="flex-start", width="100%",
+                                                       margin="60px 0 0 0"))
+        self.busy.add_class("ckptlib-busy-banner")
+        for dimmed in (self.readout, self.plots):
+            dimmed.add_class("ckptlib-dims-when-busy")
         for name, widget in (("schedule", self.schedule), ("n", self.n),
                              ("readout", self.readout), ("message", self.message),
                              ("plot", self.plot), ("tradeoff", self.tradeoff_plot)):
@@ -160,7 +169,9 @@ class ScheduleExplorer(WidgetView):
         self.n.observe(lambda _change: self._changed(), names="value")
         self.controls = widgets.HBox([self.schedule, self.n, self.parameter],
                                      layout=widgets.Layout(**wrap))
-        self.widget = widgets.VBox([self.controls, self.message, self.readout, self.plots],
+        self.widget = widgets.VBox([self.controls, self.message, self.readout,
+                                    over_each_other(self.plots, self.busy),
+                                    widgets.HTML(BUSY_STYLE)],
                                    layout=widgets.Layout(max_width="1000px"))
         self._pictures = ExplorerPictures()
         self.update()
@@ -169,16 +180,18 @@ class ScheduleExplorer(WidgetView):
         return f"ScheduleExplorer({self.result.get('plan') or 'no plan fits'})"
 
     def _static_png(self) -> bytes | None:
-        """The plan's picture beside the trade-off curve, for front ends without the widget."""
+        """The plan's picture above the trade-off curve, for front ends without the widget:
+        stacked, so that the picture (drawn at twice its pixels) is as narrow as the wider of
+        the two, and a notebook page shrinks its text least."""
         if not self.result.get("plan"):
             return None
         from PIL import Image   # matplotlib depends on Pillow; imported when a picture is asked for
         left, right = (Image.open(io.BytesIO(bytes(image.value)))
                        for image in (self.plot, self.tradeoff_plot))
-        both = Image.new("RGBA", (left.width + right.width, max(left.height, right.height)),
+        both = Image.new("RGBA", (max(left.width, right.width), left.height + right.height),
                          "white")
-        both.paste(left, (0, 0))
-        both.paste(right, (left.width, 0))
+        both.paste(left, ((both.width - left.width) // 2, 0))
+        both.paste(right, ((both.width - right.width) // 2, left.height))
         buffer = io.BytesIO()
         both.save(buffer, format="png")
         return buffer.getvalue()
@@ -274,7 +287,9 @@ class ScheduleExplorer(WidgetView):
             family = [(s.name, parameter) for s in self._schedules.values()
                       for parameter in s.curve_parameters(n)]
             points = []
-            for schedule, parameter in family:
+            for number, (schedule, parameter) in enumerate(family, 1):
+                show_busy(self.widget, self.busy, f"n = {n}: measuring the trade-off curve, "
+                                                  f"plan {number} of {len(family)}…")
                 try:
                     plan = self.plan_for(schedule, n, parameter)
                 except ValueError:
@@ -300,6 +315,7 @@ class ScheduleExplorer(WidgetView):
                 self._no_plan(schedule, n, parameter)
                 return
             self.curve = self._curve_for(n)
+            show_busy(self.widget, self.busy, f"Measuring {plan.name}…")
             peak, calls = self.measure_plan(plan)
         costs = self._chain_for(n)[3]
         self.result = {
@@ -311,6 +327,7 @@ class ScheduleExplorer(WidgetView):
             "theory_peak_activations": plan.peak_activations,
             "theory_peak_bytes": int(plan.peak_bytes(costs)),
         }
+        self.message.value = ""   # a plan fits: no message of an earlier setting stays
         self.readout.value = self._readout()
         self.plot.value, self.tradeoff_plot.value = self._pictures.draw(
             plan, self.result, self.curve, self._schedules.values())
@@ -371,21 +388,19 @@ class _Frozen:
         self.controls = [(c, c.disabled) for c in (e.schedule, e.n, e.parameter)]
         for control, _ in self.controls:
             control.disabled = True
-        e.message.value = _note("Measuring this setting (a new n measures every schedule of the "
-                                "curve: a few seconds at n=64); the controls come back when it is "
-                                "done.", busy=True)
+        show_busy(e.widget, e.busy, "Measuring this setting; the controls come back when it is "
+                                    "done.")
 
     def __exit__(self, *exc: object) -> None:
         for control, was_disabled in self.controls:
             control.disabled = was_disabled
-        if self.explorer.message.value.startswith("<div data-busy"):
-            self.explorer.message.value = ""
+        show_busy(self.explorer.widget, self.explorer.busy, "")
 
 
-def _note(html_text: str, busy: bool = False) -> str:
+def _note(html_text: str) -> str:
     """A message box that wraps (never one clipped line)."""
-    colour = palette.MUTED if busy else palette.LIMIT
-    return (f"<div {'data-busy ' if busy else ''}style='font-size:13px; line-height:1.4; "
-            f"padding:6px 10px; margin:4px 0; border-left:4px solid {colour}; background:#F6F6F6; "
+    return ("<div style='font-size:13px; line-height:1.4; "
+            f"padding:6px 10px; margin:4px 0; border-left:4px solid {palette.LIMIT}; "
+            "background:#F6F6F6; "
             f"overflow-wrap:anywhere'>{html_text}</div>")
 

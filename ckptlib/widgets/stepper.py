@@ -24,7 +24,9 @@ it are HTML laid over the picture at the frame's place, so a step only moves two
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
+import textwrap
 from typing import Any, Callable
 
 import ipywidgets as widgets
@@ -38,12 +40,7 @@ from ckptlib.graph.raster import svg_to_png
 from ckptlib.memory import format_bytes, unit_for
 from ckptlib.widgets._replay import STATES, StepReplay, describe
 from ckptlib.widgets._step import make_step
-from ckptlib.widgets._stepper_picture import (
-    NARROW_BELOW_PX,
-    NARROW_WINDOW_PT,
-    STATE_STYLES,
-    StepPicture,
-)
+from ckptlib.widgets._stepper_picture import STATE_STYLES, StepPicture
 from ckptlib.widgets._view import WidgetView, png_bytes, png_data_uri
 
 __all__ = ["BackwardStepper", "STATES"]
@@ -55,8 +52,8 @@ _GRAPH_STATUS = {
     "recomputed": "recomputed",
     "released": "freed",
 }
-TIMELINE_PX = (340, 185)  # the timeline picture's size on screen (drawn at twice the pixels)
-_NUMBERS = itertools.count()
+TIMELINE_PX = (380, 210)  # the timeline picture's size on screen (drawn at twice the pixels)
+TIMELINE_PT = 11  # its text: 11 pt at 80 px per inch is 12 px on screen
 
 
 class BackwardStepper(WidgetView):
@@ -147,6 +144,7 @@ class BackwardStepper(WidgetView):
             replay.slot_of_label,
             replay.region_of_raw,
             replay.sequence_of_node,
+            replay.sharers,
             collapse,
         )
         self._forward_done = list(
@@ -156,11 +154,7 @@ class BackwardStepper(WidgetView):
             self.picture.focus(f["tensor"], f["states"], done)
             for f, done in zip(self.frames, self._forward_done)
         ]
-        self._windows = {
-            "wide": self.picture.windows(focuses, self.picture.width),
-            "narrow": self.picture.windows(focuses, NARROW_WINDOW_PT),
-        }
-        self._css_class = f"ckptlib-stepper-{next(_NUMBERS)}"
+        self._windows = self.picture.windows(focuses)
         self._timeline_png, self._axes_box, self._y_limits = self._draw_timeline()
 
         last = len(self.frames) - 1
@@ -189,7 +183,13 @@ class BackwardStepper(WidgetView):
         )
         self.prev_button.on_click(lambda _button: self._move(-1))
         self.next_button.on_click(lambda _button: self._move(+1))
-        self.caption = widgets.HTML(layout=widgets.Layout(min_height="44px"))
+        self.caption = widgets.HTML()
+        # The longest caption, laid out unseen under the current one: the caption's box is as
+        # tall as the tallest caption at whatever width, so a click never moves the graph.
+        self._longest_caption = max(range(len(self.frames)), key=lambda k: len(self._words(k)))
+        self._longest_event_line = max(
+            range(len(self.frames)), key=lambda k: len(self._event_line(k))
+        )
         self.graph_view = widgets.HTML(layout=widgets.Layout(width="100%"))
         self.timeline_view = widgets.HTML(layout=widgets.Layout(flex="0 0 auto"))
         self.states_view = widgets.HTML(
@@ -233,27 +233,47 @@ class BackwardStepper(WidgetView):
         )
 
     def _static_png(self) -> bytes:
-        """The whole graph at the current event, as a picture (for front ends without the
-        widget)."""
-        frame, picture = self.frames[self.position.value], self.picture
+        """The whole graph at one event, with its words above, as a picture (for front ends
+        without the widget): the current event, or, while that is the first (nothing made yet,
+        every box pale), the peak, where the most is kept."""
+        index = self.position.value or self.peak_index
+        frame, picture = self.frames[index], self.picture
         svg = picture.svg(
             frame["states"],
-            self._forward_done[self.position.value],
+            self._forward_done[index],
             frame["tensor"],
             (0.0, 0.0, picture.width, picture.height),
         )
-        return svg_to_png(svg, dpi=144)
+        graph = svg_to_png(svg, dpi=144)
+        return _with_words_above(graph, f"event {self._words(index)}", dpi=144)
+
+    @property
+    def peak_index(self) -> int:
+        """The first frame at the step's peak live bytes."""
+        return next(k for k, f in enumerate(self.frames) if f["live_bytes"] == self.peak_bytes)
 
     # -- the view -------------------------------------------------------------------
     def _move(self, delta: int) -> None:
         self.position.value = min(max(self.position.value + delta, 0), self.position.max)
 
-    def _show(self, index: int) -> None:
+    def _words(self, index: int) -> str:
+        """``"28/53 · <what happened> · live 10.1 KiB"``: the caption of frame ``index``."""
         frame = self.frames[index]
+        return (f"{index + 1}/{len(self.frames)} · {frame['text']} · "
+                f"live {format_bytes(frame['live_bytes'])}")
+
+    def _caption_html(self, index: int) -> str:
+        number, _, words = self._words(index).partition(" · ")
+        return f"<b>{number}</b> · {_escape(words)}"
+
+    def _show(self, index: int) -> None:
+        # One grid cell holds the caption and, hidden, the longest one: the cell takes the taller.
+        cell = "grid-area:1/1; overflow-wrap:anywhere"
         self.caption.value = (
-            f"<div style='font-size:14px; line-height:1.4; padding:4px 0; overflow-wrap:anywhere'>"
-            f"<b>{index + 1}/{len(self.frames)}</b> · {_escape(frame['text'])} · "
-            f"live {format_bytes(frame['live_bytes'])}</div>"
+            "<div style='display:grid; font-size:14px; line-height:1.4; padding:4px 0'>"
+            f"<div style='{cell}'>{self._caption_html(index)}</div>"
+            f"<div aria-hidden='true' style='{cell}; visibility:hidden'>"
+            f"{self._caption_html(self._longest_caption)}</div></div>"
         )
         self.graph_view.value = self._graph_html(index)
         self.timeline_view.value = self._timeline_html(index)
@@ -277,7 +297,6 @@ class BackwardStepper(WidgetView):
         return counts
 
     def _states_html(self, index: int) -> str:
-        frame = self.frames[index]
         counts = self.counts(index)
         chips = "".join(
             "<span style='display:inline-flex; align-items:center; margin:2px 12px 2px 0; "
@@ -296,28 +315,40 @@ class BackwardStepper(WidgetView):
                 f"{counts['leaf edges']} more are a leaf's own memory (a parameter, the batch): "
                 "the dashed edge to that leaf"
             )
-        if counts["inputs kept"]:
+        if self._input_region:   # said at every event, so that the line keeps its height
             notes.append(
                 f"{counts['inputs kept']} checkpoint input(s) kept to rerun from (not a box)"
             )
         notes.append("ops forward has not run yet are pale")
         lines.append(f"<div style='color:#555; margin-top:2px'>{'; '.join(notes)}.</div>")
-        label = frame["tensor"]
-        if label is not None and label in self.tensors:
-            info = self.tensors[label]
-            where = f" · {info['node']}.{info['attribute']}" if info.get("node") else ""
-            lines.append(
-                f"<div style='margin-top:6px'>this event: <b>{_escape(label)}</b>"
-                f"{_escape(where)} · "
-                f"{describe(info['shape'], info['dtype'], info['nbytes'])} · now "
-                f"<b>{frame['states'].get(label, '-')}</b>"
-                + (" (its box has a thick border)" if label in self.picture.element_of else "")
-                + "</div>"
-            )
+        # The event's line and, hidden in the same grid cell, the longest one: the counts and
+        # the timeline beside them keep one height, so the graph below never moves.
+        cell = "grid-area:1/1; margin-top:6px"
+        lines.append(
+            f"<div style='display:grid'><div style='{cell}'>{self._event_line(index)}</div>"
+            f"<div aria-hidden='true' style='{cell}; visibility:hidden'>"
+            f"{self._event_line(self._longest_event_line)}</div></div>"
+        )
         return (
             "<div style='font-size:13px; line-height:1.45; overflow-wrap:anywhere'>"
             + "".join(lines)
             + "</div>"
+        )
+
+    def _event_line(self, index: int) -> str:
+        """What the event's saved tensor is, and where the graph draws it ("" for an op)."""
+        frame = self.frames[index]
+        label = frame["tensor"]
+        if label is None or label not in self.tensors:
+            return ""
+        info = self.tensors[label]
+        where = f" · {info['node']}.{info['attribute']}" if info.get("node") else ""
+        drawn = self.picture.drawn_as.get(label)
+        return (
+            f"this event: <b>{_escape(label)}</b>{_escape(where)} · "
+            f"{describe(info['shape'], info['dtype'], info['nbytes'])} · now "
+            f"<b>{frame['states'].get(label, '-')}</b>"
+            + (f" (in the graph: {_escape(drawn)}, drawn thick)" if drawn else "")
         )
 
     def graph_at(self, index: int) -> AutogradGraph:
@@ -343,48 +374,40 @@ class BackwardStepper(WidgetView):
             nodes.append(dataclasses.replace(node, saved=saved) if saved != node.saved else node)
         return dataclasses.replace(self._graph, nodes=nodes)
 
-    def svg(self, index: int, window: str = "wide") -> str:
+    def svg(self, index: int) -> str:
         """The graph at frame ``index`` as SVG: laid out once, recoloured for that frame, cut to the
-        window the view shows (``"wide"``: the whole width; ``"narrow"``: for a narrow page)."""
+        band the view shows (the whole width; as tall as fits beside the controls)."""
         frame = self.frames[index]
         return self.picture.svg(
             frame["states"],
             self._forward_done[index],
             frame["tensor"],
-            self._windows[window][index],
+            self._windows[index],
         )
 
     def _graph_html(self, index: int) -> str:
-        # Two windows, one shown: a container query picks by the notebook's width.
-        name = self._css_class
-        style = (
-            f"<style>.{name} {{container-type:inline-size; width:100%}}"
-            f"@container (max-width:{NARROW_BELOW_PX}px) {{.{name} .wide {{display:none}}}}"
-            f"@container (min-width:{NARROW_BELOW_PX + 1}px) {{.{name} .narrow {{display:none}}}}"
-            "</style>"
+        x, y, w, h = self._windows[index]
+        full_h = self.picture.height
+        bar = (
+            "<div title='the part of the graph in view' style='flex:0 0 6px; "
+            "position:relative; background:#EEEEEE; margin-left:4px'><div "
+            "style='position:absolute; left:0; right:0; "
+            f"top:{100 * y / full_h:.1f}%; height:{100 * h / full_h:.1f}%; "
+            "background:#999999'></div></div>"
         )
-        parts = []
-        for kind in ("wide", "narrow"):
-            x, y, w, h = self._windows[kind][index]
-            full_w, full_h = self.picture.width, self.picture.height
-            bar = (
-                "<div title='the part of the graph in view' style='flex:0 0 6px; "
-                "position:relative; background:#EEEEEE; margin-left:4px'><div "
-                "style='position:absolute; left:0; right:0; "
-                f"top:{100 * y / full_h:.1f}%; height:{100 * h / full_h:.1f}%; "
-                "background:#999999'></div></div>"
-            )
-            note = (
-                ""
-                if (w, h) == (full_w, full_h)
-                else "<div style='font-size:12px; color:#555'>part of the graph: the view follows "
-                "the event (the grey bar on the right: where it is)</div>"
-            )
-            parts.append(
-                f"<div class='{kind}'>{note}<div style='display:flex'><div style='flex:1 1 auto; "
-                f"min-width:0'>{self.svg(index, kind)}</div>{bar}</div></div>"
-            )
-        return style + f"<div class='{name}'>{''.join(parts)}</div>"
+        note = (
+            ""
+            if h == full_h
+            else "<div style='font-size:12px; color:#555'>part of the graph: the view follows "
+            "the event (the grey bar on the right: where it is)</div>"
+        )
+        # A graph wider than the notebook scrolls sideways rather than shrink its text or lose
+        # its edges. (An inline-size container is as wide as the notebook, never as its content.)
+        return (
+            f"<div style='container-type:inline-size; width:100%'>{note}<div style='display:flex'>"
+            f"<div class='ckptlib-stepper-scroll' style='flex:1 1 auto; min-width:0; "
+            f"overflow-x:auto'>{self.svg(index)}</div>{bar}</div></div>"
+        )
 
     def _draw_timeline(
         self,
@@ -402,15 +425,15 @@ class BackwardStepper(WidgetView):
         )
         axes.set_xlim(-0.5, len(live) - 0.5)
         axes.set_ylim(0, max(live) * 1.2 or 1)
-        text = {"fontsize": 10, "family": palette.FONT_FAMILY}
+        text = {"fontsize": TIMELINE_PT, "family": palette.FONT_FAMILY}
         axes.set_xlabel("event", **text)
         axes.set_ylabel(f"live ({unit})", **text)
         axes.set_title(
             f"Live memory per event: peak {format_bytes(self.peak_bytes)}",
-            fontsize=10.5,
+            fontsize=TIMELINE_PT,
             family=palette.FONT_FAMILY,
         )
-        axes.tick_params(labelsize=10)
+        axes.tick_params(labelsize=TIMELINE_PT)
         phases = [
             phase for phase in palette.PHASES if phase in {frame["phase"] for frame in self.frames}
         ]
@@ -419,7 +442,7 @@ class BackwardStepper(WidgetView):
             loc="lower center",
             ncols=3,
             frameon=False,
-            prop={"size": 10, "family": palette.FONT_FAMILY},
+            prop={"size": TIMELINE_PT, "family": palette.FONT_FAMILY},
             handlelength=1.0,
             columnspacing=1.0,
             borderaxespad=0.1,
@@ -457,6 +480,21 @@ def _chip(state: str) -> str:
         f"border:1.5px {border} {line}'></span>"
     )
 
+
+
+def _with_words_above(png: bytes, words: str, dpi: int) -> bytes:
+    """``png`` with ``words`` wrapped above it, at the picture's width."""
+    import matplotlib.image
+
+    picture = matplotlib.image.imread(io.BytesIO(png), format="png")
+    height_px, width_px = picture.shape[:2]
+    lines = textwrap.wrap(words, width=max(40, int(width_px / dpi * 72 / 6.5)))
+    words_px = (len(lines) + 1) * 1.45 * 11 / 72 * dpi
+    figure = Figure(figsize=(width_px / dpi, (height_px + words_px) / dpi), dpi=dpi)
+    figure.figimage(picture, 0, 0)
+    figure.text(0.01, 1 - 0.5 * 11 / 72 * dpi / (height_px + words_px), "\n".join(lines),
+                va="top", ha="left", fontsize=11, family=palette.FONT_FAMILY, linespacing=1.45)
+    return png_bytes(figure)
 
 
 def _escape(text: str) -> str:

@@ -151,3 +151,84 @@ def test_a_step_over_the_limit_then_checkpointing_fits(lab, page, artifacts, wid
         second.screenshot(path=str(artifacts / f"dashboard-{width}-time-vs-off.png"))
     finally:
         page.screenshot(path=str(artifacts / f"dashboard-{width}.png"))
+
+
+LONG_CELLS = [
+    "from ckptlib.widgets import MemoryDashboard\n"
+    "long = MemoryDashboard(depth=12, batch=24, steps=2)\n"
+    "long",
+]
+# The menu's longest entry against the room its select box has for text.
+MENU_ROOM = """(select) => {
+    const context = document.createElement('canvas').getContext('2d');
+    const style = getComputedStyle(select);
+    context.font = `${style.fontSize} ${style.fontFamily}`;
+    const widest = Math.max(...[...select.options].map(o => context.measureText(o.text).width));
+    const room = select.clientWidth - parseFloat(style.paddingLeft)
+        - parseFloat(style.paddingRight);
+    return {widest, room};
+}"""
+BUSY_VIEW = """() => {
+    const banner = document.querySelector('.ckptlib-busy [role=status]');
+    const plot = document.querySelector('.ckptlib-plot');
+    return {banner: banner ? banner.innerText : null,
+            bannerBox: banner && banner.getBoundingClientRect().toJSON(),
+            plotBox: plot.getBoundingClientRect().toJSON(),
+            opacity: parseFloat(getComputedStyle(plot).opacity),
+            readoutHeight:
+                document.querySelector('.ckptlib-readout').getBoundingClientRect().height,
+            running: document.querySelector('.ckptlib-run').disabled};
+}"""
+
+
+@pytest.mark.parametrize("width", WIDTHS, ids=list(WIDTHS))
+def test_a_long_run_is_unmistakably_busy_and_says_where_it_is(lab, page, artifacts, width):
+    """A run of several seconds (depth 12, batch 24, two steps): from the click on, a banner over
+    the dimmed plot says which step runs and what it does; nothing below moves; the banner goes
+    when the run ends. The menu shows its longest entry whole."""
+    path = write_notebook(lab, f"dashboard_busy_{width}", LONG_CELLS)
+    page.set_viewport_size(WIDTHS[width])
+    try:
+        open_and_run(page, lab, path, ".ckptlib-dashboard")
+        assert_widgets_rendered(page)
+        page.locator(".ckptlib-dashboard").first.scroll_into_view_if_needed()
+        menu = page.locator(".ckptlib-dashboard select").first.evaluate(MENU_ROOM)
+        assert menu["widest"] <= menu["room"], f"the menu cuts its longest entry: {menu}"
+        idle = page.evaluate(BUSY_VIEW)
+        assert idle["banner"] is None and idle["opacity"] == 1
+        page.locator(".ckptlib-run").first.click()
+        page.wait_for_function(
+            "() => /step 1 of 2/.test(document.querySelector('.ckptlib-busy')?.innerText ?? '')",
+            timeout=30_000,
+        )
+        page.wait_for_timeout(400)  # the dimming's transition
+        busy = page.evaluate(BUSY_VIEW)
+        assert busy["running"] and busy["opacity"] <= 0.35, busy
+        assert busy["banner"].startswith(
+            "Running checkpointing off, depth 12, batch 24: step 1 of 2"
+        ), busy
+        assert busy["plotBox"] == idle["plotBox"] and busy["readoutHeight"] == idle["readoutHeight"]
+        # The banner lies over the plot.
+        banner, plot = busy["bannerBox"], busy["plotBox"]
+        assert plot["left"] <= banner["left"] and banner["right"] <= plot["right"], busy
+        assert plot["top"] <= banner["top"] and banner["bottom"] <= plot["bottom"], busy
+        page.locator(".ckptlib-dashboard").first.screenshot(
+            path=str(artifacts / f"dashboard-{width}-busy.png")
+        )
+        page.wait_for_function(
+            "() => /step 2 of 2/.test(document.querySelector('.ckptlib-busy')?.innerText ?? '')",
+            timeout=CLICK_RUN_MS,
+        )
+        page.wait_for_function(
+            "() => !document.querySelector('.ckptlib-run').disabled", timeout=CLICK_RUN_MS
+        )
+        page.wait_for_timeout(400)
+        done = page.evaluate(BUSY_VIEW)
+        assert done["banner"] is None and done["opacity"] == 1, done
+        assert done["plotBox"] == idle["plotBox"] and done["readoutHeight"] == idle["readoutHeight"]
+        assert text_of(page, ".ckptlib-readout").startswith("step 2 · checkpointing off, depth 12")
+        page.locator(".ckptlib-dashboard").first.screenshot(
+            path=str(artifacts / f"dashboard-{width}-long-run-done.png")
+        )
+    finally:
+        page.screenshot(path=str(artifacts / f"dashboard-busy-{width}.png"))

@@ -159,3 +159,45 @@ def test_picking_a_schedule_remeasures_it(lab, page, artifacts, width):
         readout_starts(page, f"plan_for_budget({least}%")
     finally:
         page.screenshot(path=str(artifacts / f"schedule_explorer_{width}_last.png"))
+
+
+@pytest.mark.parametrize("width", [1100, 1280])
+def test_a_new_n_is_measured_under_a_banner_that_moves_nothing(lab, page, artifacts, width):
+    """A new n measures the whole trade-off curve (seconds): from the key press on, a banner
+    over the dimmed pictures counts the curve's plans; the pictures and the readout stay where
+    they were, and the banner goes when the measurement ends."""
+    path = write_notebook(lab, f"explorer_busy_{width}", [
+        "from ckptlib.widgets import ScheduleExplorer\n"
+        "explorer = ScheduleExplorer(n=60, schedule='revolve', max_n=64)\nexplorer"
+    ])
+    page.set_viewport_size({"width": width, "height": 800})
+    where = """() => ({
+        plots: document.querySelector('.ckptlib-explorer-plot').getBoundingClientRect().top,
+        readout: document.querySelector('.ckptlib-explorer-readout').getBoundingClientRect().top,
+        banner: document.querySelector('.ckptlib-busy-banner')?.innerText ?? null,
+        opacity: parseFloat(getComputedStyle(
+            document.querySelector('.ckptlib-explorer-plot').parentElement).opacity)})"""
+    try:
+        open_and_run(page, lab, path, ".ckptlib-explorer-plot")
+        assert_widgets_rendered(page)
+        page.locator(".ckptlib-explorer-n").scroll_into_view_if_needed()
+        idle = page.evaluate(where)
+        assert idle["banner"] in (None, "") and idle["opacity"] == 1, idle
+        press(page, "n", "ArrowRight")
+        # The banner counts the plans, over pictures dimmed (after a 0.2 s fade).
+        busy = page.wait_for_function(
+            f"""() => {{ const seen = ({where})();
+                return /measuring the trade-off curve, plan \\d+ of \\d+/.test(seen.banner ?? '')
+                    && seen.opacity <= 0.35 && seen; }}""",
+            timeout=WAIT_MS,
+        ).json_value()
+        assert (busy["plots"], busy["readout"]) == (idle["plots"], idle["readout"]), busy
+        page.screenshot(path=str(artifacts / f"explorer_busy_{width}.png"))
+        page.wait_for_function(
+            "() => !(document.querySelector('.ckptlib-busy-banner')?.innerText)",
+            timeout=120_000,
+        )
+        done = page.evaluate(where)
+        assert done["opacity"] == 1 and done["plots"] == idle["plots"], done
+    finally:
+        page.screenshot(path=str(artifacts / f"explorer_busy_{width}_end.png"))

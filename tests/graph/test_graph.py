@@ -23,6 +23,7 @@ from ckptlib.graph import (
     NO_RENDERER,
     STATUSES,
     TORCH_CHECKPOINT,
+    STYLES,
     AutogradGraph,
     NotebookDigraph,
     SideBySide,
@@ -538,6 +539,8 @@ def test_torchviz_beside_ckptlib_without_system_dot(no_system_dot):
     made = torchviz_dot(y, params=model)
     assert isinstance(made, NotebookDigraph)
     assert "weight" in made.source and "lightblue" in made.source
+    # Green means "saved" in the course: torchviz's green output is drawn as ckptlib's output.
+    assert "darkolivegreen1" not in made.source and "fillcolor=white penwidth=2" in made.source
     assert_svg(made._repr_mimebundle_()["image/svg+xml"])
     page = SideBySide(
         made, autograd_graph(y, params=model), titles=["torchviz", "ckptlib"]
@@ -1038,3 +1041,8 @@ def test_collapsed_module_boxes_add_up_to_the_caption(checkpoint_every):
             saved += label_bytes(text.splitlines()[-1])
     assert saved == pytest.approx(graph.saved_bytes, abs=52 * rounded)
     assert dropped == pytest.approx(graph.dropped_bytes, abs=52 * rounded)
+
+
+def test_each_legend_entry_of_a_collapsed_graph_has_a_fill_of_its_own():
+    fills = {style: STYLES[style]["fillcolor"] for style in ("op", "module", "leaf", "kept")}
+    assert len(set(fills.values())) == len(fills), fills

@@ -486,11 +486,43 @@ def test_the_readout_is_html_that_wraps_and_the_plot_is_drawn_at_twice_its_size(
     shown_px = int(dashboard.plot.layout.width.removesuffix("px"))
     assert width == 2 * shown_px and dashboard.plot.layout.height == "auto"
     # The plot comes before the readout and the message: text that wraps or appears never moves it.
-    assert list(dashboard.widget.children[2:]) == [
-        dashboard.plot,
-        dashboard.readout,
-        dashboard.message,
-    ]
+    plot_cell, readout, message = dashboard.widget.children[2:5]
+    assert (readout, message) == (dashboard.readout, dashboard.message)
+    # The banner of a run in progress lies over the plot, in its grid cell: it moves nothing.
+    assert list(plot_cell.children) == [dashboard.plot, dashboard.busy]
+    assert dashboard.busy.layout.grid_area == dashboard.plot.layout.grid_area
+    assert dashboard.readout.layout.min_height == "60px"
+
+
+def test_a_run_in_progress_says_where_it_is_over_the_dimmed_plot(dashboard):
+    """What the view shows while a run lasts, seen from inside the run (its timer), and after."""
+    dashboard.memory_limit_bytes = 1
+    dashboard.run(steps=1)   # does not fit: a message that must stay until the next result
+    old_message = dashboard.message_text
+    assert old_message.startswith("Does not fit")
+    dashboard.memory_limit_bytes = float("inf")
+    seen, timer = [], dashboard.timer
+
+    def watching(model, batch):
+        assert f"<b>{html.escape(dashboard.busy_text)}</b>" in dashboard.busy.value
+        seen.append((dashboard.busy_text, "ckptlib-running" in dashboard.widget._dom_classes,
+                     dashboard.run_button.disabled, dashboard.message_text))
+        return timer(model, batch)
+
+    dashboard.timer = watching
+    dashboard.run(steps=2)
+    texts = {text for text, *_ in seen}
+    assert texts == {
+        f"Running checkpointing off, depth 4, batch 4: step {k} of 2: timing 3 runs…"
+        for k in (1, 2)
+    }
+    assert all(dimmed and disabled for _, dimmed, disabled, _ in seen)
+    # The last run's message stays while step 1 runs; the new result replaces it.
+    assert seen[0][3] == old_message and seen[-1][3] == ""
+    assert dashboard.message_text == ""
+    assert dashboard.busy_text == "" and dashboard.busy.value == ""
+    assert "ckptlib-running" not in dashboard.widget._dom_classes
+    assert not dashboard.run_button.disabled
 
 
 class OwnModel(torch.nn.Module):
@@ -634,3 +666,18 @@ def test_a_model_of_any_kind_is_told_what_its_inputs_must_be():
         MemoryDashboard(model, batch=b"ids")
     with pytest.raises(TypeError, match="has no ModuleList or Sequential of repeated layers"):
         MemoryDashboard(torch.nn.Linear(2, 2), batch=torch.ones(1, 2))
+
+
+def test_the_placeholder_text_stays_inside_its_axes_clear_of_the_axis_label():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from ckptlib.widgets._dashboard_plot import draw_placeholder, new_figure
+
+    figure = new_figure()
+    draw_placeholder(figure)
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    for axes in figure.axes:
+        inside = axes.get_window_extent(renderer)
+        for text in axes.texts:
+            box = text.get_window_extent(renderer)
+            assert inside.x0 < box.x0 and box.x1 < inside.x1, text.get_text()

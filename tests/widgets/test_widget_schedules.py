@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import re
+import struct
 
 import numpy as np
 import pytest
@@ -155,7 +156,11 @@ def test_measuring_freezes_the_controls_and_says_so(explorer):
                 explorer.schedule.disabled,
                 explorer.n.disabled,
                 explorer.parameter.disabled,
-                "Measuring" in explorer.message.value,
+                # A banner over the dimmed pictures says so; the message box above stays empty,
+                # so nothing moves.
+                "measuring" in explorer.busy.value.lower()
+                and "ckptlib-running" in explorer.widget._dom_classes
+                and explorer.message.value == "",
             )
         )
         return original(plan)
@@ -169,11 +174,46 @@ def test_measuring_freezes_the_controls_and_says_so(explorer):
     assert (
         not explorer.n.disabled and not explorer.schedule.disabled and explorer.message.value == ""
     )
+    assert explorer.busy.value == "" and "ckptlib-running" not in explorer.widget._dom_classes
+    # The curve of a new n says how far it has got.
+    banners = []
+    original_curve = explorer._curve_for
+
+    def curve_watching(n):
+        original_plan = explorer.measure_plan
+
+        def plan_watching(plan):
+            banners.append(explorer.busy.value)
+            return original_plan(plan)
+
+        explorer.measure_plan = plan_watching
+        try:
+            return original_curve(n)
+        finally:
+            del explorer.measure_plan
+
+    explorer._curve_for = curve_watching
+    try:
+        explorer.n.value = 18
+    finally:
+        del explorer._curve_for
+    progress = [re.search(r"n = 18: measuring the trade-off curve, plan (\d+) of (\d+)", b)
+                for b in banners]
+    assert progress and all(progress), banners
+    assert int(progress[-1][1]) <= int(progress[-1][2])
 
 
 def test_the_output_carries_a_picture_of_both_plots(explorer):
     bundle = explorer._repr_mimebundle_()
-    assert base64.b64decode(bundle["image/png"]).startswith(PNG_SIGNATURE)
+    png = base64.b64decode(bundle["image/png"])
+    assert png.startswith(PNG_SIGNATURE)
+    # Stacked, not side by side: no wider than the wider picture (drawn at twice its pixels),
+    # so a page 1100 px wide shows its text at least at its size on screen.
+    from ckptlib.widgets._schedule_pictures import PICTURE_PX, TRADEOFF_PX
+
+    width, height = struct.unpack(">II", png[16:24])
+    assert width == 2 * max(PICTURE_PX[0], TRADEOFF_PX[0]) <= 2 * 550
+    assert height >= 2 * (PICTURE_PX[1] + TRADEOFF_PX[1]) - 4
 
 
 def test_the_readout_says_what_each_peak_counts(explorer):

@@ -334,9 +334,11 @@ def test_the_graph_is_laid_out_once_and_a_step_changes_only_colours(blocks):
     assert first.count(": not packed yet</title>") == len(stepper.picture.boxes) + len(
         stepper.picture.leaf_edges
     )
-    assert re.sub(r'viewBox="[^"]*"', "", stepper.svg(0, "narrow")).count("<g class=") == re.sub(
-        r'viewBox="[^"]*"', "", later
-    ).count("<g class=")
+    # Sideways nothing is cut: every window is the graph's whole width.
+    for index in range(len(stepper.frames)):
+        view_box = re.search(r'viewBox="([^"]*)"', stepper.svg(index))[1]
+        x, _, w, _ = (float(v) for v in view_box.split())
+        assert (x, w) == (0.0, round(stepper.picture.width, 1)), index
 
 
 def test_event_one_draws_no_op_of_the_backward_graph_as_made(blocks):
@@ -441,3 +443,52 @@ def test_a_decoder_layer_with_its_keyword_arguments_is_checkpointed_as_a_whole()
         match="Linear has no loss, example_batch, checkpointing; pass a ckptlib demo model",
     ):
         BackwardStepper(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "block"])
+def test_the_words_number_each_saved_tensor_as_the_graph_draws_it(checkpointing):
+    stepper = BackwardStepper(MLPChain(depth=3, width=16, checkpointing=checkpointing), batch=4)
+    checked = set()
+    for index, frame in enumerate(stepper.frames):
+        label = frame["tensor"]
+        if label not in stepper.picture.element_of:
+            continue
+        thick = [
+            body
+            for kind, body in re.findall(
+                r'<g class="(node|edge)"><title>[^<]*</title>\n(.*?)</g>', stepper.svg(index), re.S
+            )
+            if 'stroke-width="2.5"' in body
+        ]
+        assert len(thick) == 1, (index, label)
+        drawn = " ".join(re.findall(r"<text[^>]*>([^<]*)</text>", thick[0]))
+        prefix, _, number = label.rpartition(" #")
+        # The thick box (or the dashed edge of a leaf's memory) says the number the words use.
+        assert prefix in drawn and re.search(rf"#{number}\b", drawn), (index, label, drawn)
+        where = stepper.picture.drawn_as[label]
+        assert f"(in the graph: {where}, drawn thick)" in stepper._states_html(index)
+        assert ("dashed edge" in where) == ("->" in stepper.picture.element_of[label])
+        checked.add(label)
+    assert checked == set(stepper.picture.element_of)
+    # Two labels of one memory (a ReLU's output is the next Linear's input) share a box that
+    # names both, and the second save says so.
+    if checkpointing == "none":
+        assert stepper.picture.drawn_as["saved #4"] == "the box 'saved #4, #5'"
+        pack = next(f for f in stepper.frames if f["event"] == "pack" and f["tensor"] == "saved #5")
+        assert pack["text"].endswith("the same memory as saved #4: one box in the graph")
+        leaf_edge = stepper.picture.drawn_as["saved #3"]
+        assert leaf_edge == "the dashed edge 'mat2: saved #3' to its leaf"
+
+
+def test_the_picture_without_the_widget_shows_the_peak_not_the_pale_first_event(blocks):
+    _, stepper = blocks
+    stepper.position.value = 0
+    peak = stepper.peak_index
+    assert stepper.frames[peak]["live_bytes"] == stepper.peak_bytes and peak > 0
+    assert stepper.frames[peak]["states"], "at the peak something is packed"
+    first = stepper._static_png()
+    stepper.position.value = peak
+    assert stepper._static_png() == first
+    stepper.position.value = 1
+    assert stepper._static_png() != first   # any other event is drawn as it is
+    stepper.position.value = 0
