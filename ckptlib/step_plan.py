@@ -64,7 +64,7 @@ from ckptlib._arguments import integer
 from ckptlib.apply import Selector, apply_checkpointing, how_name, selected_modules
 from ckptlib.memory import MemoryMeter
 from ckptlib.selective import save_matmuls
-from ckptlib.storage import storage_bytes
+from ckptlib.memory.allocations import storage_bytes
 
 __all__ = ["plan_step_peak", "StepPlan", "WayCost", "PeakPlace", "call_model", "default_loss"]
 

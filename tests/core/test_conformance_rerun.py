@@ -1,10 +1,11 @@
-"""Behaviours of torch's non-reentrant checkpoint that ckptlib does not have yet.
+"""Conformance of the rerun with torch's non-reentrant checkpoint, where they once differed.
 
-Each ``test_ckptlib_*`` case is what ``test_conformance.py`` would hold ckptlib to, marked as an
-expected failure (strict: it fails the suite once it passes, so whoever makes it pass drops the
-marker and moves it to ``test_conformance.py``). ``raises=`` names the way it fails today, so a
-failure of another kind is not taken for it. Each ``test_torch_*`` case pins the reference: what
-plain autograd and torch's checkpoint do in the same situation.
+Forward-mode AD with backward inside the dual level, ``autograd.grad`` inside the checkpointed
+function without early stop, ``GraphExecGroup`` (one rerun per group; two backwards that need
+the same tensor refused), a rerun that raises (freed at once, no reference cycle), and an
+``nn.Parameter`` argument (still a Parameter in the rerun). Each ``test_torch_*`` case pins the
+reference: what plain autograd and torch's checkpoint do in the same situation; each
+``test_ckptlib_*`` case holds ckptlib to it.
 """
 from __future__ import annotations
 
@@ -44,9 +45,6 @@ def test_torch_forward_ad_with_backward_inside_the_dual_level():
     assert_bitwise_equal(forward_ad_then_backward("torch"), forward_ad_then_backward("plain"))
 
 
-@pytest.mark.xfail(strict=True, raises=ckptlib.CheckpointError, reason=(
-    "the rerun outside forward-mode AD saves other tensors than the forward under it did; "
-    "refused as a differing saved tensor"))
 def test_ckptlib_forward_ad_with_backward_inside_the_dual_level():
     assert_bitwise_equal(forward_ad_then_backward("ckptlib"), forward_ad_then_backward("plain"))
 
@@ -74,9 +72,6 @@ def test_torch_autograd_grad_inside_the_function_without_early_stop():
                          grad_inside_without_early_stop("plain"))
 
 
-@pytest.mark.xfail(strict=True, raises=ckptlib.CheckpointError, reason=(
-    "the rerun's inner backward saves tensors while the function still runs; refused as "
-    "'saved more tensors than the forward pass did'"))
 def test_ckptlib_autograd_grad_inside_the_function_without_early_stop():
     assert_bitwise_equal(grad_inside_without_early_stop("ckptlib"),
                          grad_inside_without_early_stop("plain"))
@@ -107,8 +102,6 @@ def test_torch_graph_exec_group_reruns_once_for_backwards_over_separate_parts():
     assert calls == 2   # the forward and one rerun for both backwards
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "ckptlib ignores GraphExecGroup: each autograd.grad call reruns the function"))
 def test_ckptlib_graph_exec_group_reruns_once_for_backwards_over_separate_parts():
     plain, _ = two_backwards_in_one_group("plain")
     grads, calls = two_backwards_in_one_group("ckptlib")
@@ -132,8 +125,6 @@ def test_torch_graph_exec_group_refuses_two_backwards_that_need_the_same_tensor(
         overlapping_backwards_in_one_group("torch")
 
 
-@pytest.mark.xfail(strict=True, raises=pytest.fail.Exception, reason=(
-    "ckptlib ignores GraphExecGroup: the second backward reruns the function and succeeds"))
 def test_ckptlib_graph_exec_group_refuses_two_backwards_that_need_the_same_tensor():
     with pytest.raises(ckptlib.CheckpointError, match="GraphExecGroup"):
         overlapping_backwards_in_one_group("ckptlib")
@@ -175,9 +166,6 @@ def test_torch_a_rerun_that_raises_frees_its_tensors_at_once():
     assert tensors_alive_after_a_failed_rerun("torch") == [False, False]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a rerun that raises leaves its frame and the rerun's tensors in a reference cycle, freed "
-    "only by gc.collect()"))
 def test_ckptlib_a_rerun_that_raises_frees_its_tensors_at_once():
     assert tensors_alive_after_a_failed_rerun("ckptlib") == [False, False]
 
@@ -203,7 +191,5 @@ def test_torch_a_parameter_argument_is_a_parameter_in_the_rerun():
     assert argument_types("torch") == ["Parameter", "Parameter"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the rerun's inputs are detached copies: a Parameter arrives as a plain Tensor"))
 def test_ckptlib_a_parameter_argument_is_a_parameter_in_the_rerun():
     assert argument_types("ckptlib") == ["Parameter", "Parameter"]
