@@ -3,25 +3,21 @@ in it measured under its budget, and the methods it times run on a tiny model.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from tests._models import hf_transformers
+from tests._benchmarks import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "frontier.py"
 RESULTS = ROOT / "benchmarks" / "results" / "frontier.json"
 
 
 @pytest.fixture(scope="module")
 def frontier():
-    spec = importlib.util.spec_from_file_location("frontier", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("frontier")
 
 
 def test_the_readmes_table_is_the_committed_runs_and_every_plan_is_under_its_budget(frontier):

@@ -3,23 +3,18 @@ checkpoint included) and gives HF's gradients, and its Markdown lands between th
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
 from tests._models import hf_transformers
+from tests._benchmarks import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_models.py"
 
 
 @pytest.fixture(scope="module")
 def hf_models():
     hf_transformers()   # skips without the hf extra
-    spec = importlib.util.spec_from_file_location("hf_models", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("hf_models")
 
 
 @pytest.mark.slow

@@ -4,24 +4,19 @@ markers."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 import ckptlib
 from tests._grads import assert_bitwise_equal
+from tests._benchmarks import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "region_cost.py"
 
 
 @pytest.fixture(scope="module")
 def region_cost():
-    spec = importlib.util.spec_from_file_location("region_cost", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("region_cost")
 
 
 def test_the_floor_gives_plain_gradients_and_keeps_nothing(region_cost):
