@@ -388,13 +388,16 @@ class Frame:
         for index, ref in enumerate(self.holders):
             if ref() is not None:
                 alive, last_needed = alive + 1, index
-        for observer in self.observers:
-            observer.on_recompute(self, trigger, alive)
         self.recomputed_in.add(task)
         self.recompute_count += 1
         if isinstance(task, int) and task >= 0:   # released when this backward ends (or fails)
             torch.autograd.Variable._execution_engine.queue_callback(_ReleaseUnused(self, task))
-        run = functools.partial(self.recompute, task, last_needed)
+
+        def run() -> None:   # each run of fn from the start is one "recompute" event
+            for observer in self.observers:
+                observer.on_recompute(self, trigger, alive)
+            self.recompute(task, last_needed)
+
         for observer in self.observers:
             run = functools.partial(observer.run_recompute, self, run)
         try:
