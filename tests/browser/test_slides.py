@@ -138,7 +138,8 @@ def test_every_slide_fits_the_canvas(notebook, decks, page, artifacts):
 
     assert clipped == [], "code or output cut off on the right"
     assert too_tall == [], "slides taller than the canvas"
-    assert sum(slide["scrolls"] for slide in slides) <= 1
+    scrolling = [slide["at"] for slide in slides if slide["scrolls"]]
+    assert len(scrolling) <= 1, f"slides that scroll: {scrolling}"
     assert min(slide["smallest_code_px"] for slide in slides) >= 13
 
 
