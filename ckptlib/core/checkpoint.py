@@ -678,7 +678,7 @@ def checkpoint(
     cuda_was_up = torch.cuda.is_initialized()
     rng_use = rng.ForwardRegistration(frame.rng) if frame.rng is not None else None
     returned = False
-    forward_contexts = [rng_use, frame.forward_context,
+    forward_contexts = [rng_use, frame.forward_context, frame.checks.during_forward(),
                         *[observer.before_forward(frame) for observer in observers]]
     # Under the pack and unpack hooks (step 1): the registration as a user of the region's
     # generators (threads, rng.py), context_fn's forward context, the observers' (the trace's).
