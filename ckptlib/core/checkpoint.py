@@ -681,7 +681,8 @@ def checkpoint(
     forward_contexts = [rng_use, frame.forward_context, frame.checks.during_forward(),
                         *[observer.before_forward(frame) for observer in observers]]
     # Under the pack and unpack hooks (step 1): the registration as a user of the region's
-    # generators (threads, rng.py), context_fn's forward context, the observers' (the trace's).
+    # generators (threads, rng.py), context_fn's forward context, the checks' (which modules ran,
+    # on a module's first call), the observers' (the trace's).
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), \
             contextlib.ExitStack() as stack:
         for context in forward_contexts:
