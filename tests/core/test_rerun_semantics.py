@@ -437,3 +437,40 @@ def test_state_the_rerun_cannot_restore_is_refused_naming_the_modules_path():
 
     assert_bitwise_equal(train_step(checkpoint)[0], train_step(plain)[0])
     assert_bitwise_equal(train_step(checkpoint)[1], train_step(plain)[1])
+
+
+def test_a_parameter_the_forward_renormalises_in_place_runs_bitwise():
+    """``Embedding(max_norm)`` renormalises rows of its weight in place in forward; ckptlib does not
+    copy parameters, but the rerun leaves them as the forward did: plain gradients and weights,
+    over steps whose updates push rows past ``max_norm`` again."""
+    def run(wrap):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 4))
+        tokens = torch.tensor([[1, 2, 3], [3, 4, 1]])
+        for _ in range(3):
+            model.zero_grad()
+            wrap(model, tokens).square().sum().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.5 * p.grad
+        return [p.detach().clone() for p in model.parameters()]
+
+    expected = run(plain)
+    assert_bitwise_equal(run(checkpoint), expected)
+    assert_bitwise_equal(run(torch_checkpoint), expected)
+
+
+def test_a_forward_that_raises_on_a_modules_first_call_leaves_no_hook_behind():
+    """The global forward pre-hook that tells which modules ran is removed with the forward."""
+    from torch.nn.modules import module as module_hooks
+
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise ValueError("boom")
+
+    model = nn.Sequential(nn.BatchNorm1d(4), Fails())
+    before = len(module_hooks._global_forward_pre_hooks)
+    with pytest.raises(ValueError, match="boom"):
+        checkpoint(model, torch.randn(6, 4, requires_grad=True))
+    assert len(module_hooks._global_forward_pre_hooks) == before
+    assert model[0].num_batches_tracked.item() == 1   # the forward's own update, as plain's
