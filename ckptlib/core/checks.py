@@ -46,7 +46,8 @@ wrong gradient.
    go back. Which buffers a module updates is learned on its first checkpointed call in training
    mode: every buffer of it (but boolean ones, masks) is copied, and the ones that then moved
    (their version, or their values: BatchNorm's kernel writes its statistics without a version
-   bump) are remembered, weakly, for the module's later calls, which copy only those. A module
+   bump) are remembered, weakly, for the module's later calls, which copy only those (and learn
+   one more whose version moves later, for the calls after). A module
    that does not update state (GPT-2's blocks) pays nothing after its first call. A module counts
    as learned only if it ran (a global forward pre-hook, installed during first calls only): one
    that ``fn`` reaches but did not call is asked again on a later call. The copies and restores
@@ -327,6 +328,9 @@ class Checks:
         self.probed: dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor, int,
                                                            torch.Tensor]]]] = {}
         self.ran: set[int] = set()
+        # learned modules' other buffers, with versions: one updated now is learned for next time
+        self.unlearned: list[tuple[nn.Module, frozenset[str], list[tuple[str, torch.Tensor,
+                                                                          int]]]] = []
         tensors: list[torch.Tensor] = []
         for label, obj in reachable(fn, arguments):
             if isinstance(obj, torch.Generator):
@@ -364,9 +368,13 @@ class Checks:
         if learned is None and buffers:
             self.probed[id(module)] = (module, [(name, tensor, tensor._version, tensor.clone())
                                                 for name, tensor in buffers])
-        elif learned:
+        elif learned is not None:
             self.state.extend((tensor, tensor.clone()) for name, tensor in buffers
                               if name in learned)
+            others = [(name, tensor, tensor._version) for name, tensor in buffers
+                      if name not in learned]
+            if others:
+                self.unlearned.append((module, learned, others))
 
     def during_forward(self) -> ContextManager | None:
         """On a module's first call: which of the modules being learned the forward ran (a
@@ -413,7 +421,11 @@ class Checks:
             self.state.extend((tensor, before) for _, tensor, before in updated)
             if module_id in self.ran:
                 _updates[module] = frozenset(name for name, _, _ in updated)
-        self.probed, self.ran = {}, set()
+        for module, learned, others in self.unlearned:
+            updated = {name for name, tensor, version in others if tensor._version != version}
+            if updated:   # not copied this time (the rerun will say so if it matters): next time
+                _updates[module] = learned | updated
+        self.probed, self.ran, self.unlearned = {}, set(), []
         copied = {id(tensor) for tensor, _ in self.state}
         read = []
         for tensor, version in self.read:

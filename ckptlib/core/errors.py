@@ -214,8 +214,9 @@ def state_updated_twice(region: object, description: str) -> str:
     return (f"checkpoint {region}: the forward pass updated {description} in place and the "
             "recomputation updated it again, from the value the forward left: ckptlib had no copy "
             "of the value the forward read, so the gradients can differ from plain autograd's. "
-            "ckptlib copies only the buffers of modules in training mode that fn reaches. Make "
-            "this state such a buffer, update it outside the checkpointed function, or do not "
+            "ckptlib copies the buffers that modules in training mode reached by fn update (one "
+            "a module starts updating after its first call: from the next call on). Make this "
+            "state such a buffer, update it outside the checkpointed function, or do not "
             "checkpoint this code. (Its value is put back as the forward left it.)")
 
 

@@ -9,6 +9,7 @@ as the forward saw it and leave as the forward left it.
 
 from __future__ import annotations
 
+import copy
 import gc
 import warnings
 import weakref
@@ -474,3 +475,38 @@ def test_a_forward_that_raises_on_a_modules_first_call_leaves_no_hook_behind():
         checkpoint(model, torch.randn(6, 4, requires_grad=True))
     assert len(module_hooks._global_forward_pre_hooks) == before
     assert model[0].num_batches_tracked.item() == 1   # the forward's own update, as plain's
+
+
+class CountsWhenAsked(nn.Module):
+    """Updates (and computes with) a buffer only once ``counting`` is set: on its first
+    checkpointed call, before that, ckptlib learns that it updates nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.counting = False
+
+    def forward(self, x):
+        if self.counting:
+            self.calls.add_(1)
+        return self.fc(x) * (1 + self.calls)
+
+
+def test_a_buffer_a_module_starts_updating_later_is_refused_once_then_restored():
+    torch.manual_seed(0)
+    module = CountsWhenAsked()
+    x = torch.randn(5, 4, requires_grad=True)
+    checkpoint(module, x).sum().backward()            # learned: updates nothing
+    module.counting = True
+    out = checkpoint(module, x).sum()
+    with pytest.raises(CheckpointError, match=r"buffer calls.*from the next call on"):
+        out.backward()
+    assert module.calls.item() == 1                   # as the forward left it
+    expected_module = copy.deepcopy(module)
+    module.zero_grad()
+    expected_module.zero_grad()
+    expected_module(x).sum().backward()
+    checkpoint(module, x).sum().backward()            # copied now: plain's, bitwise
+    assert_bitwise_equal([module.calls, *(p.grad for p in module.parameters())],
+                         [expected_module.calls, *(p.grad for p in expected_module.parameters())])
