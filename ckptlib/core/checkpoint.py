@@ -408,7 +408,7 @@ class Frame:
 
     def recompute(self, task: int, last_needed: int) -> None:
         """Run ``fn`` again from the kept inputs under :class:`Fill` (steps 2 to 4)."""
-        watch = self.checks.before_recompute(self)
+        rerun_state = self.checks.before_recompute(self)   # the forward's state, the watch
         with torch.enable_grad():   # under forward-mode AD, make_dual then records a view
             tensors = [input_for_rerun(saved.unpack()) for saved in self.inputs]
         args, kwargs = self.arguments.rebuild(tensors)
@@ -418,8 +418,8 @@ class Frame:
             with contextlib.ExitStack() as stack:
                 if self.rng is not None:   # step 3: the forward's random numbers
                     replay = stack.enter_context(rng.replay(self.rng))
-                if watch is not None:
-                    stack.enter_context(watch)
+                if rerun_state is not None:
+                    stack.enter_context(rerun_state)
                 if torch.is_inference_mode_enabled():   # a backward under it is legal: leave it
                     stack.enter_context(torch.inference_mode(False))
                 if autocast_state() != self.autocast:   # step 3: the forward's autocast state
