@@ -66,11 +66,6 @@ class RNGState(NamedTuple):
     cuda_states: tuple[torch.Tensor, ...] = ()
     caller_generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()   # (generator, state)
 
-    @property
-    def generators(self) -> frozenset:
-        """Names of the global generators this state covers: ``"cpu"``, ``("cuda", index)``."""
-        return frozenset(["cpu", *(("cuda", device) for device in self.cuda_devices)])
-
     def __repr__(self) -> str:
         return (f"RNGState(cpu, cuda_devices={self.cuda_devices}, "
                 f"{len(self.caller_generators)} caller generator(s))")
@@ -130,7 +125,7 @@ class _Registration:
             raise TypeError(f"{type(self).__name__}: state must be an RNGState from "
                             f"rng.capture(...), got {type(state).__name__}.")
         self.state = state
-        self.generators = state.generators
+        self.generators = frozenset(["cpu", *(("cuda", device) for device in state.cuda_devices)])
         self.thread = threading.get_ident()
         self.overlapped: frozenset = frozenset()
 
