@@ -150,6 +150,8 @@ class ForwardRegistration(_Registration):
     ``after`` is the state the forward left (read on exit, in the forward's own thread: did the
     region draw at all?)."""
 
+    after: RNGState | None = None   # until the forward ends (a backward inside it finds none)
+
     def __exit__(self, *exc_info: object) -> None:
         _Registration.__exit__(self)
         self.after = snapshot(self.state.cuda_devices)

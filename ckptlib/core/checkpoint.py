@@ -269,8 +269,8 @@ class Frame:
         self.checks = Checks(fn, tensors, self.arguments.others)   # step 6, called by name
         self.rng = rng.capture(tensors, self.checks.generators) \
             if preserve_rng_state else None
-        self.rng_after: rng.RNGState | None = None
-        self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
+        # the forward, registered as a user of those generators (threads, rng.py)
+        self.rng_forward = rng.ForwardRegistration(self.rng) if self.rng is not None else None
         self.autocast = autocast_state()
         self.early_stop, self.check_keys = early_stop, check_keys
         self.forward_context, self.recompute_context = contexts   # context_fn was called once
@@ -307,10 +307,8 @@ class Frame:
             observer.on_pack(self, holder, tensor)
         return holder
 
-    def forward_done(self, output: Any, rng_use: rng.ForwardRegistration | None) -> None:
+    def forward_done(self, output: Any) -> None:
         self.forward_running = False
-        if rng_use is not None:   # what the forward left: did this region draw at all?
-            self.rng_after, self.rng_overlap = rng_use.after, rng_use.overlapped
         if not self.keys:   # nothing saved, so nothing will be recomputed: let the inputs go
             self.inputs = None
         self.checks.after_forward()
@@ -425,9 +423,9 @@ class Frame:
             finally:
                 del failure
         shared = None
-        if self.rng is not None and (self.rng_overlap or replay.overlapped):
-            shared = rng.shared_with_another_thread(self.rng, self.rng_after,
-                                                    self.rng_overlap | replay.overlapped)
+        if self.rng is not None and (self.rng_forward.overlapped or replay.overlapped):
+            shared = rng.shared_with_another_thread(self.rng, self.rng_forward.after,
+                                                    self.rng_forward.overlapped | replay.overlapped)
         if shared or fill.count <= last_needed:
             raise CheckpointError(f"checkpoint {self.region}: " + (shared or errors.saved_fewer(
                 len(self.keys), fill.count, self.checks.mismatch_causes())))
@@ -636,9 +634,8 @@ def checkpoint(
                   determinism_check == "default", observers)
     foreign_draws = rng.ForeignDraws.for_first_call(fn) if preserve_rng_state else None
     cuda_was_up = torch.cuda.is_initialized()
-    rng_use = rng.ForwardRegistration(frame.rng) if frame.rng is not None else None
     returned = False
-    forward_contexts = [rng_use, frame.forward_context,
+    forward_contexts = [frame.rng_forward, frame.forward_context,
                         *[observer.before_forward(frame) for observer in observers]]
     # Under the pack and unpack hooks (step 1): the registration as a user of the region's
     # generators (threads, rng.py), context_fn's forward context, the observers' (the trace's).
@@ -661,7 +658,7 @@ def checkpoint(
         foreign_draws.warn_if_moved(frame.region, stacklevel=caller_stacklevel() + 1)
     if preserve_rng_state and not cuda_was_up and torch.cuda.is_initialized():
         raise CheckpointError(errors.cuda_initialised_inside(frame.region))
-    frame.forward_done(output, rng_use)
+    frame.forward_done(output)
     return output
 
 
