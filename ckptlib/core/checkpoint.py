@@ -267,8 +267,7 @@ class Frame:
         self.arguments = Arguments(args, kwargs, tensors)
         self.inputs = save_inputs(tensors)   # None once nothing will be recomputed
         self.checks = Checks(fn, tensors, self.arguments.others)   # step 6, called by name
-        self.rng = rng.capture(tensors, self.checks.generators) \
-            if preserve_rng_state else None
+        self.rng = rng.capture(tensors, self.checks.generators) if preserve_rng_state else None
         # the forward, registered as a user of those generators (threads, rng.py)
         self.rng_forward = rng.ForwardRegistration(self.rng) if self.rng is not None else None
         self.autocast = autocast_state()
