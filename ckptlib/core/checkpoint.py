@@ -80,7 +80,7 @@ class Holder:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.recomputed: dict[int, tuple[torch.Tensor, int | None]] = {}
+        self.recomputed: dict[int, tuple[torch.Tensor, int]] = {}
         self.unpack_count = 0
         self.frees_memory = True
         self.check_version = True
