@@ -54,7 +54,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 __all__ = ["RNGState", "capture", "snapshot", "replay", "ForwardRegistration",
-           "shared_with_another_thread", "drawn_from", "ForeignDraws", "NotReplayedRandomWarning"]
+           "shared_with_another_thread", "ForeignDraws", "NotReplayedRandomWarning"]
 
 
 class RNGState(NamedTuple):
@@ -66,41 +66,27 @@ class RNGState(NamedTuple):
     cuda_states: tuple[torch.Tensor, ...] = ()
     caller_generators: tuple[tuple[torch.Generator, torch.Tensor], ...] = ()   # (generator, state)
 
-    @property
-    def generators(self) -> frozenset:
-        """Names of the global generators this state covers: ``"cpu"``, ``("cuda", index)``."""
-        return frozenset(["cpu", *(("cuda", device) for device in self.cuda_devices)])
-
     def __repr__(self) -> str:
         return (f"RNGState(cpu, cuda_devices={self.cuda_devices}, "
                 f"{len(self.caller_generators)} caller generator(s))")
 
 
-def cuda_devices_of(tensors: Iterable[torch.Tensor]) -> tuple[int, ...]:
-    """CUDA device indices a region may draw from: its inputs' devices and the current device.
-
-    Returns ``()`` while CUDA is not initialised, so a CPU-only program never
-    initialises CUDA by accident.
-    """
-    if not torch.cuda.is_initialized():
-        return ()
-    devices = {t.get_device() for t in tensors if t.is_cuda}
-    devices.add(torch.cuda.current_device())
-    return tuple(sorted(devices))
-
-
 def capture(tensors: Iterable[torch.Tensor],
             generators: Iterable[torch.Generator] = ()) -> RNGState:
-    """Snapshot the CPU generator and, when CUDA is initialised, the generators of
-    the CUDA devices that ``tensors`` live on (plus the current device); also the
-    caller's own ``generators``."""
+    """Snapshot the CPU generator and, when CUDA is initialised, the generators of the CUDA
+    devices that ``tensors`` live on and of the current device (while CUDA is not initialised,
+    none: a CPU-only program never initialises CUDA by accident); also the caller's own
+    ``generators``."""
     tensors = (list(tensors)
                if isinstance(tensors, Iterable) and not isinstance(tensors, torch.Tensor)
                else None)
     if tensors is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         raise TypeError("capture: tensors must be a list (or other iterable) of tensors, e.g. the "
                         "region's inputs; pass [] to capture the CPU generator only.")
-    return snapshot(cuda_devices_of(tensors), generators)
+    devices = set()
+    if torch.cuda.is_initialized():
+        devices = {t.get_device() for t in tensors if t.is_cuda} | {torch.cuda.current_device()}
+    return snapshot(tuple(sorted(devices)), generators)
 
 
 def snapshot(cuda_devices: tuple[int, ...],
@@ -139,7 +125,7 @@ class _Registration:
             raise TypeError(f"{type(self).__name__}: state must be an RNGState from "
                             f"rng.capture(...), got {type(state).__name__}.")
         self.state = state
-        self.generators = state.generators
+        self.generators = frozenset(["cpu", *(("cuda", device) for device in state.cuda_devices)])
         self.thread = threading.get_ident()
         self.overlapped: frozenset = frozenset()
 
@@ -163,6 +149,8 @@ class ForwardRegistration(_Registration):
     generators; ``overlapped`` collects those another thread registered for while it ran, and
     ``after`` is the state the forward left (read on exit, in the forward's own thread: did the
     region draw at all?)."""
+
+    after: RNGState | None = None   # until the forward ends (a backward inside it finds none)
 
     def __exit__(self, *exc_info: object) -> None:
         _Registration.__exit__(self)
@@ -199,7 +187,13 @@ def shared_with_another_thread(before: RNGState, after: RNGState | None,
     from while the region's forward or its rerun ran (``overlap``); ``None`` when none did.
     Whether the region draws at all is read from the state its forward left (``after``): read
     in the forward's own thread, never from a generator another thread may be moving."""
-    drawn = drawn_from(before, after) & overlap if overlap and after is not None else set()
+    if after is None:   # a backward inside the forward: it has not left a state yet
+        return None
+    drawn = {"cpu"} if not torch.equal(before.cpu, after.cpu) else set()
+    for device, first, second in zip(before.cuda_devices, before.cuda_states, after.cuda_states):
+        if not torch.equal(first, second):
+            drawn.add(("cuda", device))
+    drawn &= overlap
     if not drawn:
         return None
     return ("another thread's checkpoint used the random number generator "
@@ -208,15 +202,6 @@ def shared_with_another_thread(before: RNGState, after: RNGState | None,
             "so the recomputation cannot replay the forward's draws and its gradients would be "
             "wrong. Run checkpointed steps that draw random numbers in one thread at a time "
             "(a lock around forward and backward), or use processes instead of threads.")
-
-
-def drawn_from(before: RNGState, after: RNGState) -> set:
-    """The generators whose state differs between two snapshots of the same devices."""
-    drawn = {"cpu"} if not torch.equal(before.cpu, after.cpu) else set()
-    for device, first, second in zip(before.cuda_devices, before.cuda_states, after.cuda_states):
-        if not torch.equal(first, second):
-            drawn.add(("cuda", device))
-    return drawn
 
 
 # ---------------------------------------------------------------------------
@@ -235,16 +220,6 @@ class NotReplayedRandomWarning(UserWarning):
 _checked_functions: dict[int, Any] = {}
 
 
-def _code_of(fn: Callable[..., Any]) -> Any:
-    """What identifies "the same function" across calls: a function's code (a lambda made anew in
-    a loop has one), a bound method's function, otherwise the callable's class (a module).
-    Only real functions and methods are asked, by their type: a user's callable may answer every
-    attribute (a proxy) or raise from one."""
-    if isinstance(fn, types.MethodType):
-        fn = fn.__func__
-    return fn.__code__ if isinstance(fn, types.FunctionType) else type(fn)
-
-
 def _foreign_states() -> tuple[Any, Any]:
     numpy = sys.modules.get("numpy")
     return random.getstate(), numpy.random.get_state()[1:] if numpy is not None else None
@@ -254,8 +229,8 @@ class ForeignDraws:
     """The states of Python's ``random`` and NumPy's global generator before a forward; after it,
     :meth:`warn_if_moved` warns if either moved.
 
-    Made for each function (``_code_of``) once, by :meth:`for_first_call`: reading both states
-    costs about 60 us, so later calls of the same function are not checked.
+    Made for each function once, by :meth:`for_first_call`: reading both states costs about
+    60 us, so later calls of the same function are not checked.
     """
 
     def __init__(self) -> None:
@@ -265,23 +240,25 @@ class ForeignDraws:
     def for_first_call(fn: Callable[..., Any]) -> "ForeignDraws | None":
         """A ``ForeignDraws`` taken now if this is the first checkpointed call of ``fn``;
         ``None`` on later calls (nothing to check)."""
-        code = _code_of(fn)
+        # "The same function" across calls: a function's code (a lambda made anew in a loop has
+        # one), a bound method's function, otherwise the callable's class (a module). Only real
+        # functions and methods are asked, by their type: a user's callable may answer every
+        # attribute (a proxy) or raise from one.
+        if isinstance(fn, types.MethodType):
+            fn = fn.__func__
+        code = fn.__code__ if isinstance(fn, types.FunctionType) else type(fn)
         if id(code) in _checked_functions:
             return None
         _checked_functions[id(code)] = code
         return ForeignDraws()
 
-    def moved(self) -> list[str]:
-        """Which of ``random`` and NumPy drew since this was made."""
+    def warn_if_moved(self, region: str, stacklevel: int) -> None:
+        """Warn if ``random`` or NumPy drew since this was made."""
         after = _foreign_states()
         moved = ["Python's `random`"] if after[0] != self.before[0] else []
         if after[1] is not None and self.before[1] is not None \
                 and not _numpy_state_equal(after[1], self.before[1]):
             moved.append("NumPy's global generator (np.random)")
-        return moved
-
-    def warn_if_moved(self, region: str, stacklevel: int) -> None:
-        moved = self.moved()
         if moved:
             warnings.warn(
                 f"checkpoint {region}: the checkpointed function drew random numbers from "

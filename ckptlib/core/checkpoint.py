@@ -44,7 +44,7 @@ import itertools
 import sys
 import threading
 import weakref
-from typing import Any, Callable, ContextManager, NamedTuple
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -80,7 +80,7 @@ class Holder:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.recomputed: dict[int, tuple[torch.Tensor, int | None]] = {}
+        self.recomputed: dict[int, tuple[torch.Tensor, int]] = {}
         self.unpack_count = 0
         self.frees_memory = True
         self.check_version = True
@@ -179,67 +179,44 @@ def function_name(fn: Any) -> str:
 class Arguments:
     """A call's arguments without their tensors (those are kept as saved tensors): each
     positional argument and keyword value is a pytree (a tensor; a list, tuple or dict of them;
-    a namedtuple, a registered dataclass ...); :meth:`rebuild` puts the rerun's tensors back where
-    the tensors were."""
+    a namedtuple, a registered dataclass ...), kept as its leaves with ``None`` where a tensor
+    was; :meth:`rebuild` puts the rerun's tensors back there. The tensors go into ``tensors``,
+    not here: the frame keeps them as saved tensors only (an outer checkpoint must be able to
+    drop them)."""
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
+    def __init__(self, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> None:
         self.names = tuple(kwargs)   # the keywords, after the positional arguments
-        # per argument: the value itself (None for a tensor), or a _Flat for a container
-        self.values: list[Any] = []
-        self.tensor_places: list[tuple[int, int | None]] = []   # (argument, leaf) per tensor
-        self.tensors: list[torch.Tensor] = []   # handed to the frame, then dropped (see split)
+        self.values: list[tuple[list, Any]] = []   # per argument: (leaves, spec; None: a leaf)
+        self.tensor_places: list[tuple[int, int]] = []   # (argument, leaf) per tensor
         self.others: list[Any] = []   # the other leaves (where the caller's generators may be)
         for position, value in enumerate((*args, *kwargs.values())):
-            if isinstance(value, torch.Tensor):
-                self.tensor_places.append((position, None))
-                self.tensors.append(value)
-                self.values.append(None)
-                continue
-            if tree_is_leaf(value, is_leaf=_is_size):
-                self.others.append(value)
-                self.values.append(value)
-                continue
-            flat = _Flat(*tree_flatten(value, is_leaf=_is_size))
-            for index, leaf in enumerate(flat.leaves):
+            if tree_is_leaf(value, is_leaf=_is_leaf):
+                leaves, spec = [value], None
+            else:
+                leaves, spec = tree_flatten(value, is_leaf=_is_leaf)
+            for index, leaf in enumerate(leaves):
                 if isinstance(leaf, torch.Tensor):
                     self.tensor_places.append((position, index))
-                    self.tensors.append(leaf)
-                    flat.leaves[index] = None
+                    tensors.append(leaf)
+                    leaves[index] = None
                 else:
                     self.others.append(leaf)
-            self.values.append(flat)
-
-    @classmethod
-    def split(cls, args: tuple, kwargs: dict) -> tuple["Arguments", list[torch.Tensor]]:
-        """The arguments without their tensors, and the tensors: the frame keeps those as saved
-        tensors only (an outer checkpoint must be able to drop them)."""
-        arguments = cls(args, kwargs)
-        tensors, arguments.tensors = arguments.tensors, []
-        return arguments, tensors
+            self.values.append((leaves, spec))
 
     def rebuild(self, tensors: list[torch.Tensor]) -> tuple[list, dict]:
         """``(args, kwargs)`` again, with ``tensors`` where the tensors were."""
-        values = [_Flat(list(v.leaves), v.spec) if isinstance(v, _Flat) else v
-                  for v in self.values]
+        leaves = [list(value_leaves) for value_leaves, _ in self.values]
         for (position, index), tensor in zip(self.tensor_places, tensors):
-            if index is None:
-                values[position] = tensor
-            else:
-                values[position].leaves[index] = tensor
-        values = [tree_unflatten(v.leaves, v.spec) if isinstance(v, _Flat) else v for v in values]
+            leaves[position][index] = tensor
+        values = [value_leaves[0] if spec is None else tree_unflatten(value_leaves, spec)
+                  for value_leaves, (_, spec) in zip(leaves, self.values)]
         split = len(values) - len(self.names)
         return values[:split], dict(zip(self.names, values[split:]))
 
 
-class _Flat(NamedTuple):
-    """One argument that is a container, flattened: its leaves, and how to put them back."""
-
-    leaves: list
-    spec: Any
-
-
-def _is_size(value: Any) -> bool:
-    return isinstance(value, torch.Size)   # a pytree node that unflattens to a tuple: keep it whole
+def _is_leaf(value: Any) -> bool:
+    # kept whole: a tensor, and a torch.Size (a pytree node that would unflatten to a tuple)
+    return isinstance(value, (torch.Tensor, torch.Size))
 
 
 def save_inputs(tensors: list[torch.Tensor]) -> list:
@@ -275,16 +252,6 @@ def autocast_state() -> tuple[tuple[str, bool, torch.dtype], ...]:
                  for device in _AUTOCAST_DEVICES)
 
 
-def early_stop_waits(keys: list[tuple], index: int) -> bool:
-    """Must the early stop at saved tensor ``index`` wait for the next save? Yes next to a saved
-    constant (a tensor without history made inside): it may be a buffer its op fills after saving
-    it (``rrelu`` saves its ``noise`` buffer, then fills it), and a rerun stopped right there
-    would hand back an unfilled buffer."""
-    if keys[index][3] is CONSTANT:
-        return True
-    return index > 0 and keys[index - 1][3] is CONSTANT
-
-
 # ---------------------------------------------------------------------------
 # The frame: one checkpoint call
 # ---------------------------------------------------------------------------
@@ -296,13 +263,13 @@ class Frame:
                  early_stop: bool, contexts: tuple[ContextManager | None, ContextManager | None],
                  check_keys: bool, observers: list[Observer]) -> None:
         self.fn, self.number = fn, next(_region_numbers)
-        self.arguments, tensors = Arguments.split(args, kwargs)
+        tensors: list[torch.Tensor] = []
+        self.arguments = Arguments(args, kwargs, tensors)
         self.inputs = save_inputs(tensors)   # None once nothing will be recomputed
         self.checks = Checks(fn, tensors, self.arguments.others)   # step 6, called by name
-        self.rng = rng.snapshot(rng.cuda_devices_of(tensors), self.checks.generators) \
-            if preserve_rng_state else None
-        self.rng_after: rng.RNGState | None = None
-        self.rng_overlap: set = set()   # generators another thread's checkpoint used meanwhile
+        self.rng = rng.capture(tensors, self.checks.generators) if preserve_rng_state else None
+        # the forward, registered as a user of those generators (threads, rng.py)
+        self.rng_forward = rng.ForwardRegistration(self.rng) if self.rng is not None else None
         self.autocast = autocast_state()
         self.early_stop, self.check_keys = early_stop, check_keys
         self.forward_context, self.recompute_context = contexts   # context_fn was called once
@@ -339,10 +306,8 @@ class Frame:
             observer.on_pack(self, holder, tensor)
         return holder
 
-    def forward_done(self, output: Any, rng_use: rng.ForwardRegistration | None) -> None:
+    def forward_done(self, output: Any) -> None:
         self.forward_running = False
-        if rng_use is not None:   # what the forward left: did this region draw at all?
-            self.rng_after, self.rng_overlap = rng_use.after, rng_use.overlapped
         if not self.keys:   # nothing saved, so nothing will be recomputed: let the inputs go
             self.inputs = None
         self.checks.after_forward()
@@ -427,8 +392,10 @@ class Frame:
                         stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
                 if self.recompute_context is not None:
                     stack.enter_context(self.recompute_context)
-                # the second pack hook; grad mode is off in backward: the rerun records a graph
-                with fill, torch.enable_grad():
+                # the second pack hook (its unpack gives back what it returned); grad mode is off
+                # in backward: the rerun records a graph
+                with torch.autograd.graph.saved_tensors_hooks(fill, lambda tensor: tensor), \
+                        torch.enable_grad():
                     _thread.recompute_depth += 1
                     try:
                         self.fn(*args, **kwargs)
@@ -442,7 +409,7 @@ class Frame:
             self.checks.after_recompute(self, failure)
         except BaseException as refusal:   # a check's refusal takes the failure's place
             failure = refusal
-        if failure is not None and not fill.hook.stopped:
+        if failure is not None and not fill.stopped:
             # Code between the hook and here may wrap the early stop in its own exception
             # (TorchScript re-raises it as a RuntimeError): once stopped, every needed holder
             # is filled. The local goes before the exception leaves: its traceback holds this
@@ -455,12 +422,12 @@ class Frame:
             finally:
                 del failure
         shared = None
-        if self.rng is not None and (self.rng_overlap or replay.overlapped):
-            shared = rng.shared_with_another_thread(self.rng, self.rng_after,
-                                                    self.rng_overlap | replay.overlapped)
-        if shared or fill.hook.count <= last_needed:
+        if self.rng is not None and (self.rng_forward.overlapped or replay.overlapped):
+            shared = rng.shared_with_another_thread(self.rng, self.rng_forward.after,
+                                                    self.rng_forward.overlapped | replay.overlapped)
+        if shared or fill.count <= last_needed:
             raise CheckpointError(f"checkpoint {self.region}: " + (shared or errors.saved_fewer(
-                len(self.keys), fill.hook.count, self.checks.mismatch_causes())))
+                len(self.keys), fill.count, self.checks.mismatch_causes())))
 
     def release(self, task: int) -> None:
         """Drop the recomputed tensors of backward pass ``task`` that nobody took (step 5)."""
@@ -474,20 +441,11 @@ class Frame:
             observer.on_release(self, task, released)
 
 
-class Fill(torch.autograd.graph.saved_tensors_hooks):
+class Fill:
     """The rerun's pack hook (step 2): the i-th tensor the rerun saves goes into the i-th holder,
     its key compared with the forward's (step 6); early stop after the last needed one (step 4).
+    ``recompute`` installs it with ``saved_tensors_hooks`` around the rerun."""
 
-    The hook is a separate object (:class:`_FillHook`) so that the hooks this context installs
-    and holds do not point back at it: nothing here forms a reference cycle with the frame.
-    """
-
-    def __init__(self, frame: Frame, task: int, last_needed: int, input_ptrs: set[int]) -> None:
-        self.hook = _FillHook(frame, task, last_needed, input_ptrs)
-        super().__init__(self.hook, _identity)
-
-
-class _FillHook:
     def __init__(self, frame: Frame, task: int, last_needed: int, input_ptrs: set[int]) -> None:
         self.frame, self.task, self.last_needed, self.input_ptrs = frame, task, last_needed, \
             input_ptrs
@@ -522,7 +480,10 @@ class _FillHook:
             holder.recomputed[self.task] = (detached, detached._version)
         if not frame.early_stop or index != self.last_needed:
             return detached
-        if early_stop_waits(keys, index):
+        # Next to a saved constant (a tensor without history made inside), wait for the next
+        # save: it may be a buffer its op fills after saving it (``rrelu`` saves its ``noise``
+        # buffer, then fills it), and a rerun stopped right here would hand back an unfilled one.
+        if keys[index][3] is CONSTANT or (index > 0 and keys[index - 1][3] is CONSTANT):
             self.stop_at_next_pack = True
             return detached
         return self.stop(index)
@@ -557,10 +518,6 @@ class _ReleaseUnused:
             frame.release(self.task)
 
     __del__ = __call__   # a failed backward drops its callbacks unrun: release then
-
-
-def _identity(x):
-    return x
 
 
 # ---------------------------------------------------------------------------
@@ -676,9 +633,8 @@ def checkpoint(
                   determinism_check == "default", observers)
     foreign_draws = rng.ForeignDraws.for_first_call(fn) if preserve_rng_state else None
     cuda_was_up = torch.cuda.is_initialized()
-    rng_use = rng.ForwardRegistration(frame.rng) if frame.rng is not None else None
     returned = False
-    forward_contexts = [rng_use, frame.forward_context, frame.checks.during_forward(),
+    forward_contexts = [frame.rng_forward, frame.forward_context, frame.checks.during_forward(),
                         *[observer.before_forward(frame) for observer in observers]]
     # Under the pack and unpack hooks (step 1): the registration as a user of the region's
     # generators (threads, rng.py), context_fn's forward context, the checks' (which modules ran,
@@ -702,7 +658,7 @@ def checkpoint(
         foreign_draws.warn_if_moved(frame.region, stacklevel=caller_stacklevel() + 1)
     if preserve_rng_state and not cuda_was_up and torch.cuda.is_initialized():
         raise CheckpointError(errors.cuda_initialised_inside(frame.region))
-    frame.forward_done(output, rng_use)
+    frame.forward_done(output)
     return output
 
 

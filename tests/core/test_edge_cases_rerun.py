@@ -169,6 +169,26 @@ def test_rrelu_last_op_torch_is_wrong():
     torch_is_wrong(run, expected)     # early stop hands back rrelu's unfilled noise buffer
 
 
+def test_rrelu_noise_last_needed_stops_at_the_next_save_once_filled():
+    # The caller drops exp's output, so rrelu's noise is the last tensor backward still needs:
+    # the rerun stops at the next save (exp's), once rrelu has filled the noise.
+    def fn(t):
+        return F.rrelu(t * 2, training=True), t.exp()
+
+    def run(ckpt):
+        a = seeded(1, 64)
+        torch.manual_seed(0)
+        ckpt(fn, a)[0].sum().backward()
+        return (a.grad,)
+
+    expected = run(plain)
+    with record_trace() as trace:
+        assert bitwise_equal(run(checkpoint), expected)
+    assert [(e.kind, e.index) for e in trace.events if e.kind == "early_stop"] == [
+        ("early_stop", 1)]
+    assert bitwise_equal(run(functools.partial(checkpoint, early_stop=False)), expected)
+
+
 # ---------------------------------------------------------------------------
 # A hook fn registers on its (non-leaf) input fires once
 # ---------------------------------------------------------------------------
