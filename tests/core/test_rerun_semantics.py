@@ -510,3 +510,16 @@ def test_a_buffer_a_module_starts_updating_later_is_refused_once_then_restored()
     checkpoint(module, x).sum().backward()            # copied now: plain's, bitwise
     assert_bitwise_equal([module.calls, *(p.grad for p in module.parameters())],
                          [expected_module.calls, *(p.grad for p in expected_module.parameters())])
+
+
+@pytest.mark.parametrize("case", STATEFUL)
+def test_selective_checkpointing_restores_the_state_too(case):
+    """The selective rerun runs through the same checks: gradients and buffers plain's."""
+    from ckptlib import save_matmuls, selective_checkpoint
+
+    make, shape = STATEFUL[case]
+    expected, expected_buffers = steps(make, shape, plain)
+    got, got_buffers = steps(
+        make, shape, lambda model, x: selective_checkpoint(model, x, policy=save_matmuls))
+    assert_bitwise_equal(got, expected)
+    assert_bitwise_equal(got_buffers, expected_buffers)
