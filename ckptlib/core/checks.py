@@ -315,7 +315,8 @@ def _leaf_of(tensor: torch.Tensor) -> torch.Tensor | None:
 
 class Checks:
     """The checks of one checkpoint call (see the notes), in the order the frame calls them:
-    ``on_pack``, ``after_forward``, ``before_recompute``, ``on_fill``, ``after_recompute``."""
+    ``during_forward``, ``on_pack``, ``after_forward``, ``before_recompute``, ``on_fill``,
+    ``after_recompute``."""
 
     def __init__(self, fn: Any, inputs: list[torch.Tensor], arguments: Iterable[Any] = ()) -> None:
         self.input_ptrs = storage_ptrs(inputs)
