@@ -118,6 +118,9 @@ class _NoChecks:
 
     on_fill = after_forward = after_recompute = on_pack
 
+    def during_forward(self) -> None:
+        return None
+
     def before_recompute(self, frame: Any) -> None:
         return None
 

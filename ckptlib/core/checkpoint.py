@@ -373,7 +373,7 @@ class Frame:
 
     def recompute(self, task: int, last_needed: int) -> None:
         """Run ``fn`` again from the kept inputs under :class:`Fill` (steps 2 to 4)."""
-        watch = self.checks.before_recompute(self)
+        rerun_state = self.checks.before_recompute(self)   # the forward's state, the watch
         with torch.enable_grad():   # under forward-mode AD, make_dual then records a view
             tensors = [input_for_rerun(saved.unpack()) for saved in self.inputs]
         args, kwargs = self.arguments.rebuild(tensors)
@@ -383,8 +383,8 @@ class Frame:
             with contextlib.ExitStack() as stack:
                 if self.rng is not None:   # step 3: the forward's random numbers
                     replay = stack.enter_context(rng.replay(self.rng))
-                if watch is not None:
-                    stack.enter_context(watch)
+                if rerun_state is not None:
+                    stack.enter_context(rerun_state)
                 if torch.is_inference_mode_enabled():   # a backward under it is legal: leave it
                     stack.enter_context(torch.inference_mode(False))
                 if autocast_state() != self.autocast:   # step 3: the forward's autocast state
@@ -634,10 +634,11 @@ def checkpoint(
     foreign_draws = rng.ForeignDraws.for_first_call(fn) if preserve_rng_state else None
     cuda_was_up = torch.cuda.is_initialized()
     returned = False
-    forward_contexts = [frame.rng_forward, frame.forward_context,
+    forward_contexts = [frame.rng_forward, frame.forward_context, frame.checks.during_forward(),
                         *[observer.before_forward(frame) for observer in observers]]
     # Under the pack and unpack hooks (step 1): the registration as a user of the region's
-    # generators (threads, rng.py), context_fn's forward context, the observers' (the trace's).
+    # generators (threads, rng.py), context_fn's forward context, the checks' (which modules ran,
+    # on a module's first call), the observers' (the trace's).
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), \
             contextlib.ExitStack() as stack:
         for context in forward_contexts:

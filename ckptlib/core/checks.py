@@ -36,10 +36,28 @@ wrong gradient.
    would. ``on_pack`` sets the holder's ``check_version`` flag for that: on for a tensor made
    inside the region, off for one that lives on outside it (an input, a parameter, a buffer),
    whose version the reads' check (3) already covers and which a recompute context may put back.
-5. **State written twice.** The rerun is a second forward pass, so in-place updates of module
-   state happen twice (BatchNorm's running statistics). What the forward wrote is copied before a
-   rerun; one the rerun leaves with another value raises :class:`StateUpdatedTwiceWarning`, once
-   per module.
+5. **State the forward updates.** The rerun is a second forward pass: a module that updates its
+   own buffers in place (BatchNorm's running statistics, ``spectral_norm``'s power iteration on
+   ``u``, ``v``) would update them again, and one that also computes with them
+   (``spectral_norm``) would compute another weight, so other gradients. So the rerun runs with
+   the state the forward saw, and the buffers end as the forward left them, as in plain autograd:
+   before the forward, the buffers a module updates are copied; before each rerun their values
+   then are put aside and the copies put in; after it (also when it raises) the values put aside
+   go back. Which buffers a module updates is learned on its first checkpointed call in training
+   mode: every buffer of it (but boolean ones, masks) is copied, and the ones that then moved
+   (their version, or their values: BatchNorm's kernel writes its statistics without a version
+   bump) are remembered, weakly, for the module's later calls, which copy only those (and learn
+   one more whose version moves later, for the calls after). A module
+   that does not update state (GPT-2's blocks) pays nothing after its first call. A module counts
+   as learned only if it ran (a global forward pre-hook, installed during first calls only): one
+   that ``fn`` reaches but did not call is asked again on a later call. The copies and restores
+   go through ``.data``: they are ckptlib's, not modifications the version checks (3) should see.
+   State written that was not copied (a captured tensor, a parameter updated in place such as
+   ``Embedding(max_norm)``'s, a buffer of a module in eval mode) cannot be put back as it was: if
+   the rerun changes it again, the rerun computed from a value the forward had not seen, and a
+   ``CheckpointError`` says so (its value is put back first). State ``fn`` cannot reach
+   (:func:`reachable`) is neither copied nor checked. ``StateUpdatedTwiceWarning`` is no longer
+   emitted; it stays importable for code that filters it.
 6. **Transforms that ended.** A forward under forward-mode AD or ``torch.func.vmap`` saves
    tensors a backward outside it cannot rebuild: :meth:`Checks.lost_transform` names that cause.
 
@@ -49,11 +67,11 @@ README's table of where ckptlib differs from ``torch.utils.checkpoint``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
-import warnings
 import weakref
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, ContextManager, Iterable, Iterator, NamedTuple
 
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -62,15 +80,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ckptlib.core import errors
-from ckptlib.core.errors import CheckpointError, TensorMeta, caller_stacklevel
+from ckptlib.core.errors import CheckpointError, TensorMeta
 
 __all__ = ["Checks", "reachable", "StateUpdatedTwiceWarning", "SavedKey", "saved_key",
            "storage_ptr", "storage_ptrs", "INPUT", "PARAMETER", "CONSTANT", "VIEW"]
 
 
 class StateUpdatedTwiceWarning(UserWarning):
-    """A checkpoint's rerun updated module state (BatchNorm running statistics) its forward had
-    updated."""
+    """Once warned that a rerun updated module state (BatchNorm's running statistics) a second
+    time. No longer emitted: the rerun now runs with the state the forward saw and leaves it as
+    the forward did (note 5), or a ``CheckpointError`` says why it cannot. Importable still, for
+    code that filters it."""
 
 
 # ---------------------------------------------------------------------------
@@ -295,13 +315,23 @@ def _leaf_of(tensor: torch.Tensor) -> torch.Tensor | None:
 
 class Checks:
     """The checks of one checkpoint call (see the notes), in the order the frame calls them:
-    ``on_pack``, ``after_forward``, ``before_recompute``, ``on_fill``, ``after_recompute``."""
+    ``during_forward``, ``on_pack``, ``after_forward``, ``before_recompute``, ``on_fill``,
+    ``after_recompute``."""
 
     def __init__(self, fn: Any, inputs: list[torch.Tensor], arguments: Iterable[Any] = ()) -> None:
         self.input_ptrs = storage_ptrs(inputs)
         self.inputs = [(weakref.ref(t), t._version) for t in inputs]   # versions at the call
         self.named: list[tuple[str, Any]] = []   # (label, module or tensor) for messages
         self.generators: list[torch.Generator] = []   # the caller's, for the RNG replay
+        # (buffer, its value before the forward) for the state the forward updates (note 5);
+        # modules being learned: id -> (module, [(name, buffer, version, value before)])
+        self.state: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.probed: dict[int, tuple[nn.Module, list[tuple[str, torch.Tensor, int,
+                                                           torch.Tensor]]]] = {}
+        self.ran: set[int] = set()
+        # learned modules' other buffers, with versions: one updated now is learned for next time
+        self.unlearned: list[tuple[nn.Module, frozenset[str], list[tuple[str, torch.Tensor,
+                                                                          int]]]] = []
         tensors: list[torch.Tensor] = []
         for label, obj in reachable(fn, arguments):
             if isinstance(obj, torch.Generator):
@@ -310,21 +340,56 @@ class Checks:
             self.named.append((label, obj))
             if isinstance(obj, torch.Tensor):
                 tensors.append(obj)
-            else:
-                tensors.extend(tensor for _, _, tensor in _own_tensors(obj))
+                continue
+            own = list(_own_tensors(obj))
+            tensors.extend(tensor for _, _, tensor in own)
+            if obj.training:
+                self._copy_state(obj, own)
         self.outside_ptrs = storage_ptrs(tensors)   # saved tensors sharing these free nothing
         self.read = [(t, t._version) for t in tensors]   # sorted from `written` after_forward
-        self.written: list[torch.Tensor] = []
+        self.written: list[torch.Tensor] = []   # updated by the forward and not copied before it
         # leaves (or bases of views) an op saved, weakly, with their versions
         self.saved_leaves: list[tuple[weakref.ReferenceType, int]] = []
         # index -> (id, storage) of a saved leaf that requires grad: the rerun must save it again
         self.leaf_ids: dict[int, tuple[int, int | None]] = {}
         self.transforms = _transform_levels()
         self.input_modified_by_fn: str | None = None
-        # one rerun's: the copies of the written state, the stale tensors' ids, the watch
-        self._before: list[torch.Tensor] = []
+        # one rerun's: the stale tensors' ids, the watch, state it updated that was not copied
         self._keep: set[int] = set()
         self._watch: _StaleReads | None = None
+        self._updated_again: str | None = None
+
+    # -- state the forward updates (note 5) ---------------------------------------------
+    def _copy_state(self, module: nn.Module, own: list[tuple[str, str, torch.Tensor]]) -> None:
+        """Copy the buffers ``module`` (in training mode) updates, or on its first call all of
+        them, to learn which those are."""
+        learned = _updates.get(module)
+        buffers = [(name, tensor) for kind, name, tensor in own
+                   if kind == "buffer" and tensor.dtype != torch.bool]
+        if learned is None and buffers:
+            self.probed[id(module)] = (module, [(name, tensor, tensor._version, tensor.clone())
+                                                for name, tensor in buffers])
+        elif learned is not None:
+            self.state.extend((tensor, tensor.clone()) for name, tensor in buffers
+                              if name in learned)
+            others = [(name, tensor, tensor._version) for name, tensor in buffers
+                      if name not in learned]
+            if others:
+                self.unlearned.append((module, learned, others))
+
+    def during_forward(self) -> ContextManager | None:
+        """On a module's first call: which of the modules being learned the forward ran (a
+        global forward pre-hook, removed when the forward ends). ``None``: nothing to learn."""
+        return self._noting_ran() if self.probed else None
+
+    @contextlib.contextmanager
+    def _noting_ran(self) -> Iterator[None]:
+        with nn.modules.module.register_module_forward_pre_hook(self._note_ran):
+            yield
+
+    def _note_ran(self, module: nn.Module, args: Any) -> None:
+        if id(module) in self.probed:
+            self.ran.add(id(module))
 
     # -- forward ------------------------------------------------------------------------
     def on_pack(self, holder: Any, tensor: torch.Tensor, ptr: int | None) -> None:
@@ -351,8 +416,22 @@ class Checks:
                 self.input_modified_by_fn = errors.input_modified_by_fn(
                     position, TensorMeta.of(tensor), version, tensor._version)
                 break
+        for module_id, (module, buffers) in self.probed.items():
+            updated = [(name, tensor, before) for name, tensor, version, before in buffers
+                       if tensor._version != version or not torch.equal(tensor, before)]
+            self.state.extend((tensor, before) for _, tensor, before in updated)
+            if module_id in self.ran:
+                _updates[module] = frozenset(name for name, _, _ in updated)
+        for module, learned, others in self.unlearned:
+            updated = {name for name, tensor, version in others if tensor._version != version}
+            if updated:   # not copied this time (the rerun will say so if it matters): next time
+                _updates[module] = learned | updated
+        self.probed, self.ran, self.unlearned = {}, set(), []
+        copied = {id(tensor) for tensor, _ in self.state}
         read = []
         for tensor, version in self.read:
+            if id(tensor) in copied:
+                continue
             if tensor._version == version:
                 read.append((tensor, version))
             else:
@@ -360,9 +439,10 @@ class Checks:
         self.read = read
 
     # -- rerun --------------------------------------------------------------------------
-    def before_recompute(self, frame: Any) -> TorchDispatchMode | None:
-        """Refuse a rerun from changed inputs or saved leaves; return the watch over the other
-        reads (``None`` when none of them changed: nothing to enter)."""
+    def before_recompute(self, frame: Any) -> ContextManager | None:
+        """Refuse a rerun from changed inputs or saved leaves; return the context to run the rerun
+        under: the forward's state put in and back (note 5) and the watch over the other reads
+        (``None`` when there is no state and none of the reads changed: nothing to enter)."""
         message = self.input_modified_by_fn
         for position, (ref, version) in enumerate(self.inputs):
             tensor = ref()
@@ -375,11 +455,34 @@ class Checks:
                 message = errors.read_modified(self.name_of(leaf), version, leaf._version)
         if message is not None:
             raise CheckpointError(f"checkpoint {frame.region}: {message}")
-        self._before = [t.clone() for t in self.written]
         stale = [(t, version) for t, version in self.read if t._version != version]
         self._keep = {id(t) for t, _ in stale}
         self._watch = _StaleReads(self, frame, stale) if stale else None
-        return self._watch
+        if not (self.state or self.written):
+            return self._watch
+        return self._forward_state(frame, self._watch)
+
+    @contextlib.contextmanager
+    def _forward_state(self, frame: Any, watch: TorchDispatchMode | None) -> Iterator[None]:
+        """Run the rerun with the state the forward saw, then put back what was there (note 5).
+        Through ``.data``: a restore moves no version counter, so no check takes it for a
+        change made from outside."""
+        now = [(tensor, tensor.clone()) for tensor, _ in self.state]
+        written_now = [(tensor, tensor.clone()) for tensor in self.written]
+        try:
+            for tensor, before in self.state:
+                tensor.data.copy_(before)
+            with watch if watch is not None else contextlib.nullcontext():
+                yield
+        finally:
+            for tensor, value in now:
+                tensor.data.copy_(value)
+            for tensor, value in written_now:
+                if not torch.equal(tensor, value):
+                    tensor.data.copy_(value)
+                    if self._updated_again is None:
+                        self._updated_again = errors.state_updated_twice(
+                            frame.region, self.owner_of(tensor)[1])
 
     def on_fill(self, frame: Any, index: int, tensor: torch.Tensor, ptr: int | None) -> None:
         """The rerun's saved parameter must be the forward's (check 2)."""
@@ -391,29 +494,23 @@ class Checks:
                 f"checkpoint {frame.region}: {errors.replaced_parameter(index, meta)}")
 
     def after_recompute(self, frame: Any, error: BaseException | None) -> None:
-        """The next rerun's baselines; a stale read refused as itself; state written twice."""
+        """The next rerun's baselines; a stale read refused as itself; state the rerun updated
+        again that was not copied before the forward (note 5)."""
         # What the rerun wrote is the next rerun's start; a tensor changed since the forward
         # (`_keep`: the next rerun must still not read it) keeps the forward's version.
         self.read = [(t, version if id(t) in self._keep else t._version)
                      for t, version in self.read]
         self.saved_leaves = [(ref, ref()._version if ref() is not None else version)
                              for ref, version in self.saved_leaves]
-        watch, self._watch = self._watch, None   # let go of the copies
-        before, self._before = self._before, []
+        watch, self._watch = self._watch, None
+        updated_again, self._updated_again = self._updated_again, None
         if watch is not None and watch.message is not None:
             # Raised inside an op (a TorchScript interpreter wraps it): raise it as itself.
             if not (isinstance(error, RuntimeError) and str(error) == watch.message):
                 raise CheckpointError(watch.message) from error
             return
-        for tensor, copy in zip(self.written, before):
-            if torch.equal(tensor, copy):
-                continue
-            owner, description = self.owner_of(tensor)
-            if owner in _warned:
-                continue
-            _warned.add(owner)
-            warnings.warn(errors.state_updated_twice(frame.region, description),
-                          StateUpdatedTwiceWarning, stacklevel=caller_stacklevel())
+        if updated_again is not None:
+            raise CheckpointError(updated_again) from error
 
     # -- words for messages -------------------------------------------------------------
     def mismatch_causes(self) -> str:
@@ -457,7 +554,8 @@ class Checks:
         return tensor, f"a tensor ({TensorMeta.of(tensor)})"
 
 
-_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# module -> the names of the buffers its forward updates in training mode (note 5), learned
+_updates: "weakref.WeakKeyDictionary[nn.Module, frozenset[str]]" = weakref.WeakKeyDictionary()
 
 
 def _transform_levels() -> tuple[int, int | None]:

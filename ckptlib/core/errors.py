@@ -211,14 +211,13 @@ def read_modified(name: str, version: int, now: int) -> str:
 
 
 def state_updated_twice(region: object, description: str) -> str:
-    return (f"checkpoint {region}: the recomputation updated {description} again after the "
-            "forward pass had updated it: a checkpointed region runs twice, so its in-place state "
-            "updates happen twice (BatchNorm's running statistics move twice per step; "
-            "torch.utils.checkpoint does the same). Fixes: checkpoint the layers around the "
-            "module instead of it, put it in eval mode, or put its state back during the "
-            "recomputation (a context_fn that restores the buffers, or a forward pre-hook that "
-            "sets momentum to 0 while ckptlib.is_recomputing(), as in notebook 04). Warned once "
-            "per module.")
+    return (f"checkpoint {region}: the forward pass updated {description} in place and the "
+            "recomputation updated it again, from the value the forward left: ckptlib had no copy "
+            "of the value the forward read, so the gradients can differ from plain autograd's. "
+            "ckptlib copies the buffers that modules in training mode reached by fn update (one "
+            "a module starts updating after its first call: from the next call on). Make this "
+            "state such a buffer, update it outside the checkpointed function, or do not "
+            "checkpoint this code. (Its value is put back as the forward left it.)")
 
 
 LOST_FUNCTORCH = (

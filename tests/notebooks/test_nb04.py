@@ -3,13 +3,12 @@
 Each test names the notebook section whose words it checks; when one fails, the notebook's text
 (or a title computed from the same numbers) needs another look, not only the code.
 
-Exercise 1 (a BatchNorm pre-hook that survives early stop): an answer that takes back the counter
-increment in every recomputation, without asking whether BatchNorm updates anything (the first
-official solution), leaves ``num_batches_tracked`` at -3 after three eval-mode steps; one that asks
-about train mode only fails on ``track_running_stats=False``, whose counter is ``None``; one whose
-handle takes the hook off but leaves the momentum a recomputation set to 0.0 (the second official
-solution) leaves a BatchNorm that never updates again. The cells are the notebook's own, taken by
-cell id or nbgrader grade id and executed.
+Exercise 1 (torch's checkpoint made to rerun from the forward's state with a ``context_fn``): an
+answer that only puts the buffers back after the recomputation (section 5's ``buffers_put_back``)
+fixes the statistics but not spectral norm's gradients; one that copies the buffers when the
+recomputation starts copies the updated ones; one that puts the forward's copies in but does not
+put back what was there leaves the first micro-batch's statistics after two forward passes. The
+cells are the notebook's own, taken by cell id or nbgrader grade id and executed.
 """
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import ckptlib
-from ckptlib import CheckpointError, StateUpdatedTwiceWarning
-from ckptlib import is_recomputing
+from ckptlib import CheckpointError
 
 from tests._grads import assert_bitwise_equal
 from tests._notebooks import cell_source, run_cell
@@ -55,53 +53,57 @@ def test_04_without_rng_replay_only_the_last_bias_gradient_survives():
     assert_bitwise_equal(checkpointed, plain)
 
 
-def bn_step(wrap):
-    """One step of 04's BatchNorm model; returns the BatchNorm and the warnings' categories."""
+def stateful_step(wrap):
+    """One step of 04's model (a spectral-normalised Linear, then a BatchNorm): the BatchNorm, the
+    gradients, every buffer, and the warnings' categories."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)),
+                          nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
     torch.manual_seed(0)
     inputs = torch.randn(16, 8) + 3.0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         wrap(model, inputs).square().sum().backward()
-    return model[1], [warning.category for warning in caught]
+    return (model[1], [p.grad for p in model.parameters()], list(model.buffers()),
+            [warning.category for warning in caught])
 
 
-def test_04_batch_norm_in_a_checkpoint_updates_running_stats_twice_and_ckptlib_warns():
-    """0.9 * (0.1 m) + 0.1 m = 0.19 m: 1.9 times plain's running mean, counter 2; ckptlib warns
-    once (StateUpdatedTwiceWarning), torch's checkpoint does the same silently."""
-    (plain, plain_warned), (checkpointed, warned) = (
-        bn_step(lambda m, x: m(x)),
-        bn_step(ckptlib.checkpoint),
-    )
-    assert (plain.num_batches_tracked.item(), checkpointed.num_batches_tracked.item()) == (1, 2)
-    ratio = checkpointed.running_mean / plain.running_mean
+def test_04_torch_updates_the_statistics_twice_and_ckptlib_once_bitwise():
+    """04 section 5: 0.9 * (0.1 m) + 0.1 m = 0.19 m: torch's checkpoint leaves 1.9 times plain's
+    running mean and counter 2, silently; ckptlib's buffers are plain's bitwise, counter 1, and
+    nothing is warned."""
+    plain_bn, plain_grads, plain_buffers, plain_warned = stateful_step(lambda m, x: m(x))
+    torch_bn, _, torch_buffers, torch_warned = stateful_step(
+        lambda m, x: torch_checkpoint(m, x, use_reentrant=False))
+    bn, grads, buffers, warned = stateful_step(ckptlib.checkpoint)
+    assert (plain_bn.num_batches_tracked.item(), torch_bn.num_batches_tracked.item()) == (1, 2)
+    ratio = torch_bn.running_mean / plain_bn.running_mean
     assert torch.allclose(ratio, torch.full_like(ratio, 1.9), rtol=1e-4)
-    assert (plain_warned, warned) == ([], [StateUpdatedTwiceWarning])
-    torch_bn, torch_warned = bn_step(lambda m, x: torch_checkpoint(m, x, use_reentrant=False))
-    assert torch_bn.num_batches_tracked.item() == 2 and torch_warned == []
+    assert plain_warned == torch_warned == warned == []
+    assert bn.num_batches_tracked.item() == 1
+    assert_bitwise_equal(buffers, plain_buffers)
+    assert_bitwise_equal(grads, plain_grads)
 
 
-def test_04_a_context_fn_that_restores_the_statistics_is_not_warned_about():
-    @contextlib.contextmanager
-    def restored(module):
-        buffers = [
-            b for m in module.modules() if isinstance(m, nn.BatchNorm1d) for b in m.buffers()
-        ]
-        saved = [b.clone() for b in buffers]
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, value in zip(buffers, saved):
-                    buffer.copy_(value)
+def test_04_spectral_norm_gradients_differ_under_torch_and_not_under_ckptlib():
+    """04 section 5: torch's rerun runs the power iteration from the updated u, v."""
+    _, plain_grads, _, _ = stateful_step(lambda m, x: m(x))
+    _, torch_grads, _, _ = stateful_step(lambda m, x: torch_checkpoint(m, x, use_reentrant=False))
+    _, grads, _, _ = stateful_step(ckptlib.checkpoint)
+    assert not all(torch.equal(g, r) for g, r in zip(torch_grads, plain_grads))
+    assert_bitwise_equal(grads, plain_grads)
 
-    bn, warned = bn_step(
-        lambda m, x: ckptlib.checkpoint(
-            m, x, context_fn=lambda: (contextlib.nullcontext(), restored(m))
-        )
-    )
-    assert bn.num_batches_tracked.item() == 1 and warned == []
+
+def test_04_putting_the_buffers_back_fixes_torchs_statistics_not_its_gradients():
+    """04 section 5: buffers_put_back as torch's recompute context."""
+    namespace = namespace_04()
+    for cell_id in ("04-039",):
+        run_cell(cell_source(NB04, cell_id=cell_id), namespace)
+    reference = namespace["train_steps"](namespace["make_model"](), namespace["plain"], steps=3)
+    result = namespace["train_steps"](namespace["make_model"](),
+                                      namespace["put_back_after_rerun"], steps=3)
+    assert_bitwise_equal(result["buffers"], reference["buffers"])
+    assert not all(torch.equal(g, r) for g, r in zip(result["grads"], reference["grads"]))
 
 
 def test_04_eval_mode_between_forward_and_backward_is_caught_by_the_producer():
@@ -146,9 +148,9 @@ def test_04_metadata_check_catches_a_rerun_in_another_precision():
 
 
 def namespace_04() -> dict:
-    """The notebook's imports, helpers, BatchNorm models and train_steps."""
+    """The notebook's imports, helpers, its model with state, train_steps and two_micro_batches."""
     namespace: dict = {"__name__": "notebook_04"}
-    for cell_id in ("04-001", "04-002", "04-020", "04-030"):
+    for cell_id in ("04-001", "04-002", "04-028", "04-048"):
         run_cell(cell_source(NB04, cell_id=cell_id), namespace)
     return namespace
 
@@ -157,69 +159,75 @@ def run_check_1(namespace: dict) -> str:
     return run_cell(cell_source(NB04, grade_id="exercise-1-check"), namespace)
 
 
-def without_mode_check(bn):
-    """The first official solution: takes the increment back in every recomputation."""
-    momentum = bn.momentum
+def put_back_after_only(module):
+    """Section 5's fix: the buffers put back after the recomputation, nothing put in before it."""
+    buffers = list(module.buffers())
 
-    def pre_hook(module, args):
-        if is_recomputing():
-            module.momentum = 0.0
-            module.num_batches_tracked.sub_(1)
-        else:
-            module.momentum = momentum
+    @contextlib.contextmanager
+    def recompute():
+        now = [buf.clone() for buf in buffers]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, value in zip(buffers, now):
+                    buf.copy_(value)
 
-    return bn.register_forward_pre_hook(pre_hook)
-
-
-def train_mode_check_only(bn):
-    momentum = bn.momentum
-
-    def pre_hook(module, args):
-        if is_recomputing() and module.training:
-            module.momentum = 0.0
-            module.num_batches_tracked.sub_(1)
-        elif not is_recomputing():
-            module.momentum = momentum
-
-    return bn.register_forward_pre_hook(pre_hook)
+    return lambda: (contextlib.nullcontext(), recompute())
 
 
-def momentum_left_at_zero(bn):
-    """The second official solution: right while the hook is on, but a recomputation sets the
-    momentum to 0.0 and the hook's handle does not give it back, so after ``remove()`` the
-    BatchNorm never updates its statistics again."""
-    momentum = bn.momentum
+def copied_when_the_rerun_starts(module):
+    """Copies the buffers in the recomputation context: by then the forward has updated them."""
+    buffers = list(module.buffers())
 
-    def pre_hook(module, args):
-        if not is_recomputing():
-            module.momentum = momentum
-        elif module.training and module.track_running_stats:
-            module.momentum = 0.0
-            module.num_batches_tracked.sub_(1)
+    @contextlib.contextmanager
+    def recompute():
+        found = [buf.clone() for buf in buffers]
+        with torch.no_grad():
+            for buf, value in zip(buffers, found):
+                buf.copy_(value)
+        yield
 
-    return bn.register_forward_pre_hook(pre_hook)
+    return lambda: (contextlib.nullcontext(), recompute())
+
+
+def nothing_put_back(module):
+    """The forward's copies put in, the rerun's result left: right for one forward per backward,
+    wrong when a second forward updated the buffers before the first one's recomputation."""
+    buffers = list(module.buffers())
+
+    def context_fn():
+        found = []
+
+        @contextlib.contextmanager
+        def forward():
+            found[:] = [buf.clone() for buf in buffers]
+            yield
+
+        @contextlib.contextmanager
+        def recompute():
+            with torch.no_grad():
+                for buf, value in zip(buffers, found):
+                    buf.copy_(value)
+            yield
+
+        return forward(), recompute()
+
+    return context_fn
 
 
 @pytest.mark.parametrize(
     "answer, words",
     [
-        (without_mode_check, "eval mode: num_batches_tracked ends at -3, plain at 0"),
-        (
-            momentum_left_at_zero,
-            "after handle.remove(), bn.momentum is 0.0, not 0.1: this BatchNorm would never update "
-            "its statistics again",
-        ),
-        (
-            train_mode_check_only,
-            "track_running_stats=False: the hook raised AttributeError: 'NoneType' object has no "
-            "attribute 'sub_'",
-        ),
+        (put_back_after_only, "after 3 steps the gradients differ from plain"),
+        (copied_when_the_rerun_starts, "after 3 steps the gradients differ from plain"),
+        (nothing_put_back, "two micro-batches: the buffers differ from plain"),
     ],
-    ids=["no train-mode check", "momentum not given back", "no track_running_stats check"],
+    ids=["put back only", "copied at the rerun", "nothing put back"],
 )
 def test_exercise_1_check_rejects_a_wrong_answer(answer, words):
     namespace = namespace_04()
-    namespace["protect_running_stats"] = answer
+    namespace["state_restoring_context_fn"] = answer
     with pytest.raises(AssertionError) as caught:
         run_check_1(namespace)
     assert words in str(caught.value)
