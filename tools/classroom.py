@@ -420,6 +420,20 @@ def _picture_of(output: nbformat.NotebookNode) -> nbformat.NotebookNode:
                                   metadata=dict(output.get("metadata", {})))
 
 
+def where_to_run(document: PurePosixPath) -> str:
+    """How a learner runs the notebook ``document`` (``notebooks/...``) live: ``make lab`` opens
+    the learner's own copy in ``lab/`` (tools/lab.py: outputs cleared, so predictions are blind),
+    never the committed notebook.
+
+    >>> where_to_run(PurePosixPath("notebooks/solutions/05_x_solutions.ipynb"))
+    'Run it in JupyterLab: <code>make lab NOTEBOOK=solutions/05_x_solutions.ipynb</code> opens \
+your own copy, lab/solutions/05_x_solutions.ipynb.'
+    """
+    name = html.escape(document.relative_to("notebooks").as_posix())
+    return (f"Run it in JupyterLab: <code>make lab NOTEBOOK={name}</code> opens your own copy, "
+            f"lab/{name}.")
+
+
 def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbformat.NotebookNode:
     """The notebook with its widget outputs made honest for a page without a kernel.
 
@@ -437,13 +451,12 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
     >>> nb = static_widgets(nb, PurePosixPath("notebooks/00_x.ipynb"))
     >>> print(nb.cells[0].outputs[0].data["text/plain"])  # doctest: +NORMALIZE_WHITESPACE
     Interactive widget Slider(value=3): its state was not saved with this page.
-    Run it in JupyterLab: make lab, then open notebooks/00_x.ipynb.
+    Run it in JupyterLab: make lab NOTEBOOK=00_x.ipynb opens your own copy, lab/00_x.ipynb.
     >>> "widgets" in nb.metadata
     False
     """
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
-    where = ("Run it in JupyterLab: <code>make lab</code>, "
-             f"then open {html.escape(document.as_posix())}.")
+    where = where_to_run(document)
     shown: set[str] = set()
     for cell in nb.cells:
         outputs = []

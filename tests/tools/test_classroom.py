@@ -218,7 +218,8 @@ def test_a_widget_with_its_state_is_a_snapshot_with_a_note():
     note, view = nb.cells[0].outputs
     assert (
         "Static snapshot" in note.data["text/html"]
-        and "notebooks/06_x.ipynb" in note.data["text/html"]
+        and "make lab NOTEBOOK=06_x.ipynb</code> opens your own copy, lab/06_x.ipynb"
+        in note.data["text/html"]
     )
     assert classroom.WIDGET_VIEW in view.data
     # The saved state keeps what the shown widgets need: "stale" belonged to no output.
@@ -275,7 +276,10 @@ def test_a_widget_without_its_state_becomes_a_note_that_names_it(state):
     [note] = nb.cells[0].outputs
     assert classroom.WIDGET_VIEW not in note.data
     assert "Interactive widget MemoryDashboard(per block, depth 4)" in note.data["text/html"]
-    assert "make lab" in note.data["text/html"]
+    # The learner's copy, opened by name (the committed notebook shows the answers).
+    assert "<code>make lab NOTEBOOK=06_x.ipynb</code> opens your own copy, lab/06_x.ipynb" in (
+        note.data["text/html"])
+    assert "notebooks/" not in note.data["text/html"]
     assert "widgets" not in nb.metadata   # nothing left to draw: no widgets script on the page
 
 
