@@ -39,6 +39,8 @@ its code (slides_apart), so the widget has the canvas to itself instead of being
 """
 from __future__ import annotations
 
+import base64
+import copy
 import functools
 import html
 import json
@@ -313,7 +315,8 @@ def build_slides(out: Path) -> list[Path]:
     decks, titles = [], {}
     for source in sources:
         document = _repository_path(source)
-        nb = slides_apart(static_widgets(_titled(nbformat.read(source, as_version=4)), document))
+        nb = slides_apart(static_widgets(_titled(nbformat.read(source, as_version=4)), document,
+                                         pictures_at_widget_size=False))
         titles[document] = nb.metadata.get("title", source.stem)
         text = _render(exporter, nb, source.stem, pages[document], cjk_css=CJK_CSS)
         decks.append(_write(out, pages[document],
@@ -412,15 +415,43 @@ def _note(text: str) -> nbformat.NotebookNode:
         "text/plain": re.sub(r"<[^>]+>", "", html.unescape(text))})
 
 
-def _picture_of(output: nbformat.NotebookNode) -> nbformat.NotebookNode:
+def _picture_of(output: nbformat.NotebookNode, widget_size: bool) -> nbformat.NotebookNode:
     """A widget output as its picture alone (and its text), so no page draws the widget from
-    state."""
+    state. With ``widget_size`` the picture is shown at the size the live widget has: every
+    ckptlib widget draws it at twice the pixels it takes on screen (``ckptlib.widgets._view``), so,
+    unless the output says otherwise, at half its pixel width; at its full pixels a page shows it
+    twice too large. A slide wants it as large as the canvas allows (slides.js shrinks what does
+    not fit): no width.
+
+    >>> png = "iVBORw0KGgoAAAANSUhEUgAAA8AAAATY"   # the start of a 960 x 1240 PNG
+    >>> output = nbformat.v4.new_output("display_data", data={"image/png": png})
+    >>> _picture_of(output, widget_size=True).metadata
+    {'image/png': {'width': 480}}
+    """
     data = {key: output.data[key] for key in ("image/png", "text/plain") if key in output.data}
-    return nbformat.v4.new_output("display_data", data=data,
-                                  metadata=dict(output.get("metadata", {})))
+    metadata = copy.deepcopy(dict(output.get("metadata", {})))
+    if widget_size and "image/png" in data and "width" not in metadata.get("image/png", {}):
+        header = base64.b64decode(data["image/png"][:32])   # the signature, then IHDR: width
+        metadata.setdefault("image/png", {})["width"] = int.from_bytes(header[16:20], "big") // 2
+    return nbformat.v4.new_output("display_data", data=data, metadata=metadata)
 
 
-def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbformat.NotebookNode:
+def where_to_run(document: PurePosixPath) -> str:
+    """How a learner runs the notebook ``document`` (``notebooks/...``) live: ``make lab`` opens
+    the learner's own copy in ``lab/`` (tools/lab.py: outputs cleared, so predictions are blind),
+    never the committed notebook.
+
+    >>> where_to_run(PurePosixPath("notebooks/solutions/05_x_solutions.ipynb"))
+    'Run it in JupyterLab: <code>make lab NOTEBOOK=solutions/05_x_solutions.ipynb</code> opens \
+your own copy, lab/solutions/05_x_solutions.ipynb.'
+    """
+    name = html.escape(document.relative_to("notebooks").as_posix())
+    return (f"Run it in JupyterLab: <code>make lab NOTEBOOK={name}</code> opens your own copy, "
+            f"lab/{name}.")
+
+
+def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath,
+                   pictures_at_widget_size: bool = True) -> nbformat.NotebookNode:
     """The notebook with its widget outputs made honest for a page without a kernel.
 
     A widget output with its own picture (``image/png``, taken when its cell showed it) becomes
@@ -429,7 +460,9 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
     saved state is complete is shown as the snapshot the state describes, after such a note. A
     widget whose state is missing or incomplete would be an empty box (or, as nbconvert falls
     back, its text repr): it becomes a note naming it.
-    The saved state keeps exactly the models the shown widgets need.
+    The saved state keeps exactly the models the shown widgets need. A picture is shown at the
+    widget's size where ``pictures_at_widget_size`` (a page; a deck passes False: see
+    ``_picture_of``).
 
     >>> output = nbformat.v4.new_output(
     ...     "display_data", data={WIDGET_VIEW: {"model_id": "a1"}, "text/plain": "Slider(value=3)"})
@@ -437,13 +470,12 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
     >>> nb = static_widgets(nb, PurePosixPath("notebooks/00_x.ipynb"))
     >>> print(nb.cells[0].outputs[0].data["text/plain"])  # doctest: +NORMALIZE_WHITESPACE
     Interactive widget Slider(value=3): its state was not saved with this page.
-    Run it in JupyterLab: make lab, then open notebooks/00_x.ipynb.
+    Run it in JupyterLab: make lab NOTEBOOK=00_x.ipynb opens your own copy, lab/00_x.ipynb.
     >>> "widgets" in nb.metadata
     False
     """
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
-    where = ("Run it in JupyterLab: <code>make lab</code>, "
-             f"then open {html.escape(document.as_posix())}.")
+    where = where_to_run(document)
     shown: set[str] = set()
     for cell in nb.cells:
         outputs = []
@@ -456,7 +488,7 @@ def static_widgets(nb: nbformat.NotebookNode, document: PurePosixPath) -> nbform
             if picture is not None:
                 outputs += [_note("Picture of an interactive widget as its cell showed it: its "
                                   f"controls work in a live notebook only. {where}"),
-                            _picture_of(output)]
+                            _picture_of(output, pictures_at_widget_size)]
                 continue
             models = _widget_models(view.get("model_id", ""), state)
             if models is None:

@@ -318,7 +318,8 @@ class Plan:
         Time runs left to right in layer steps (one forward or backward of one
         layer each); the line climbs through the layers in forward and comes
         down in backward. Dashed grey: forward keeping nothing; blue: recorded
-        forward; red: backward; horizontal bars: checkpoints held.
+        forward; orange: backward; green horizontal bars: checkpoints held (the
+        colours of ``ckptlib.palette``).
 
         >>> import matplotlib
         >>> from ckptlib.schedules import revolve

@@ -60,9 +60,10 @@ from ckptlib.widgets._view import WidgetView, png_bytes
 
 __all__ = ["PolicyExplorer"]
 
-# The table's box on a narrow page (it scrolls inside): about nine rows, and the summary below
-# it on the same screen at 1100 x 800.
-TABLE_HEIGHT = "300px"
+# The table's box on a narrow page (it scrolls inside): about seven rows, so that the buttons, the
+# table, the summary and the plot below it fit in one JupyterLab screen at 1100 x 800 (the browser
+# test measures it), timed or not.
+TABLE_HEIGHT = "230px"
 
 Signature = tuple[Any, tuple[tuple[int, ...], ...]]   # (aten op overload, input shapes)
 # Inline, so that a page's own ``code`` style (a slide deck's larger type) does not apply.
@@ -70,8 +71,8 @@ _MONOSPACE = "font-family:var(--jp-code-font-family, monospace); font-size:90%"
 # "time all five": rounds of one step of each variant, after a warm-up of each
 TIMED_ROUNDS = 7
 SELECTION = "your selection"
-# drawn at 2x; 10 pt is 11 px on screen
-FIGURE_INCHES, SCREEN_DPI, DRAW_SCALE, FONT_PT = (6.4, 2.8), 80, 2, 10
+# drawn at 2x; 10 pt is 11 px on screen; 432 x 184 px: five bars, and the note beside it at 1100 px
+FIGURE_INCHES, SCREEN_DPI, DRAW_SCALE, FONT_PT = (5.4, 2.3), 80, 2, 10
 
 
 def signature(op: Any, args: tuple) -> Signature:
@@ -145,6 +146,8 @@ class PolicyExplorer(WidgetView):
             it.
         timer: ``timer(name, step) -> seconds`` of one call of ``step`` (a forward+backward of
             the variant ``name``); a test replaces it with a clock it controls.
+        summary, plot, note: the five variants' numbers as a table and as bars, and what the
+            numbers are (which are exact; how the steps were timed).
         tick_matmuls, tick_cost, clear, time_button: buttons.
 
     >>> model = TinyTransformer(depth=1, d_model=16, heads=2, seq=8, vocab=20)
@@ -209,9 +212,11 @@ class PolicyExplorer(WidgetView):
         self.clear.on_click(lambda _button: self.select(lambda row: False))
         self.time_button.on_click(lambda _button: self.time_all())
         self.summary = widgets.HTML(layout=widgets.Layout(max_width="100%"))
+        self.note = widgets.HTML(layout=widgets.Layout(flex="1 1 200px", max_width="520px",
+                                                       margin="0 0 0 12px"))
         self.plot = widgets.Image(format="png", layout=widgets.Layout(
             width=f"{round(FIGURE_INCHES[0] * SCREEN_DPI)}px", max_width="100%", height="auto"))
-        for name, widget in (("summary", self.summary), ("plot", self.plot),
+        for name, widget in (("summary", self.summary), ("plot", self.plot), ("note", self.note),
                              ("tick-matmuls", self.tick_matmuls),
                              ("clear", self.clear), ("time", self.time_button)):
             widget.add_class(f"ckptlib-policy-{name}")  # stable handles for the browser test
@@ -219,16 +224,17 @@ class PolicyExplorer(WidgetView):
         wrap = dict(flex_flow="row wrap", align_items="flex-start", max_width="100%")
         # The table, then what the selection costs: side by side where they fit (a wide screen, a
         # slide), one under the other where they do not (a laptop with JupyterLab's side panel).
-        # There the table scrolls inside a box of TABLE_HEIGHT, so that a tick and the summary it
-        # changes are on one screen.
+        # There the table scrolls inside a box of TABLE_HEIGHT and the note sits beside the plot,
+        # so that a tick and the summary and plot it changes are on one screen.
         self.widget = widgets.VBox([
             widgets.Box([self.tick_matmuls, self.tick_cost, self.clear, self.time_button],
                         layout=widgets.Layout(**wrap)),
             widgets.Box([widgets.Box([self.table], layout=widgets.Layout(
                 max_height=TABLE_HEIGHT, overflow_y="auto", margin="0 20px 8px 0",
                 max_width="100%")),
-                widgets.VBox([self.summary, self.plot],
-                                                  layout=widgets.Layout(max_width="100%"))],
+                widgets.VBox([self.summary,
+                              widgets.Box([self.plot, self.note], layout=widgets.Layout(**wrap))],
+                             layout=widgets.Layout(max_width="100%"))],
                         layout=widgets.Layout(**wrap)),
         ], layout=widgets.Layout(max_width="100%"))
         self.widget.add_class("ckptlib-policy-explorer")
@@ -290,7 +296,7 @@ class PolicyExplorer(WidgetView):
             for button in buttons:
                 button.disabled = False
             self.time_button.description = "time all five"
-        self.summary.value = self._summary()
+        self._show_summary()
         return self.timing
 
     def policy(self) -> Callable[..., bool]:
@@ -322,7 +328,7 @@ class PolicyExplorer(WidgetView):
             **self._measure(lambda: selective_checkpoint(self.block, self.x, policy=policy)),
             "kept_rows": kept_rows}
         self.timing = {}
-        self.summary.value = self._summary()
+        self._show_summary()
         self._draw()
         self.plot.value = png_bytes(self._figure)
 
@@ -383,20 +389,26 @@ class PolicyExplorer(WidgetView):
             rows.append(f"<tr><td {cell}>{label}</td>" + "".join(
                 f"<td {cell}>{show(name, variant)}</td>"
                 for name, variant in self._variants().items()) + "</tr>")
-        timed = (f"Step times: the five variants timed in turns, {TIMED_ROUNDS} steps each "
-                 "after a warm-up (median, and below it the lowest-highest in ms); "
-                 "\"within noise\" where the spreads overlap or a checkpoint comes out faster "
-                 "than plain." if self.timing else
-                 "Step times are not measured on a tick: they jitter. Press <b>time all five</b> "
-                 "to time all five variants together, in turns.")
-        return ("<div style='max-width:100%'><table style='border-collapse:collapse'>"
-                + "".join(rows) + "</table>"
-                "<div style='max-width:520px; line-height:1.3; font-size:0.92em'>"
-                "Kept bytes, calls rerun and rerun FLOPs "
-                "(matmul FLOPs of a step beyond plain's) are exact for each variant. The cost "
-                "policy's choice itself follows the op times measured when the explorer was "
-                "built, so its column can change from one build (or machine) to the next. "
-                f"{timed}</div></div>")
+        # Rows as tall as their text (a widget's HTML has the 28 px line of a button): the
+        # summary and the plot under it stay on the table's screen.
+        return ("<table style='border-collapse:collapse; line-height:1.3'>" + "".join(rows)
+                + "</table>")
+
+    def _note(self) -> str:
+        """What the numbers are: which are exact, and how (and whether) the steps were timed."""
+        timed = (f"Step times: {TIMED_ROUNDS} steps of each variant, timed in turns (median, "
+                 "and under it the lowest-highest in ms); \"within noise\" where the spreads "
+                 "overlap or a checkpoint comes out faster than plain." if self.timing else
+                 "Step times jitter, so a tick does not time them. Press <b>time all five</b> to "
+                 "time the five variants together, in turns.")
+        return ("<div style='line-height:1.3; font-size:0.92em'>"
+                "Kept bytes, calls rerun and rerun FLOPs (matmul FLOPs beyond plain's) are exact. "
+                "The cost policy chooses by the op times measured at build, so its column can "
+                f"change from one build (or machine) to the next. {timed}</div>")
+
+    def _show_summary(self) -> None:
+        self.summary.value = self._summary()
+        self.note.value = self._note()
 
     def _step_time(self, name: str) -> str:
         """``'20.1 ms<br>15.2-33.0'``: the median over its spread, two short lines for a narrow
@@ -416,7 +428,7 @@ class PolicyExplorer(WidgetView):
         self._figure.clear()
         kept_axes, flops_axes = self._figure.subplots(
             1, 2, sharey=True,
-            gridspec_kw=dict(left=0.23, right=0.97, bottom=0.2, top=0.88, wspace=0.15))
+            gridspec_kw=dict(left=0.23, right=0.97, bottom=0.25, top=0.87, wspace=0.15))
         names = list(self._variants())
         colours = [palette.HIGHLIGHT if name == SELECTION else palette.MUTED for name in names]
         kept = [variant["kept_bytes"] / 1024 for variant in self._variants().values()]

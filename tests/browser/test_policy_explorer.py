@@ -7,9 +7,11 @@ waits for the selection to keep exactly the softmax's output; then it clicks "ti
 save_matmuls" and waits for the selection to keep what save_matmuls keeps. No step time is
 shown until "time all five" is pressed; then all five have one, with its spread.
 
-At each width nothing is cut off (the "cost policy" column and the "your selection" summary
-least of all), the text is at least 11 px, the plot is a sharp 2x picture. Screenshots go to
-test-artifacts/.
+At each width, in a window of 800 px, with the explorer's cell scrolled to the top of the
+notebook: the whole explorer (buttons, table, summary, plot) is on that one screen, before and
+after timing, nothing is cut off (the "cost policy" column and the "your selection" summary
+least of all), the text is at least 11 px, the plot is a sharp 2x picture. Screenshots of the
+window go to test-artifacts/.
 """
 
 from __future__ import annotations
@@ -53,6 +55,38 @@ def wait_for_kept(page, text: str) -> None:
     )
 
 
+# Where the explorer and its plot are against the notebook's scrolling box (what the learner
+# sees between the toolbar and the status bar) once the explorer is scrolled to its top.
+IN_VIEW = """(root) => {
+    root.scrollIntoView({block: 'start'});
+    let box = root.parentElement;
+    while (box && !(['auto', 'scroll'].includes(getComputedStyle(box).overflowY)
+                    && box.scrollHeight > box.clientHeight))
+        box = box.parentElement;
+    const seen = box.getBoundingClientRect();
+    const shown = {top: Math.max(seen.top, 0), bottom: Math.min(seen.bottom, window.innerHeight)};
+    const where = (element) => {
+        const rect = element.getBoundingClientRect();
+        return {top: rect.top, bottom: rect.bottom, height: rect.height};
+    };
+    return {shown, explorer: where(root),
+            plot: where(root.querySelector('.ckptlib-policy-plot'))};
+}"""
+
+
+def assert_on_one_screen(explorer) -> None:
+    """The explorer scrolled to the top of the notebook: it and its plot end above the fold."""
+    seen = explorer.evaluate(IN_VIEW)
+    shown, plot, whole = seen["shown"], seen["plot"], seen["explorer"]
+    assert plot["height"] > 100, f"no plot drawn: {seen}"
+    assert shown["top"] <= plot["top"] and plot["bottom"] <= shown["bottom"], (
+        f"the plot ({plot['top']:.0f}-{plot['bottom']:.0f} px) is not inside the notebook's "
+        f"screen ({shown['top']:.0f}-{shown['bottom']:.0f} px)")
+    assert whole["bottom"] <= shown["bottom"], (
+        f"the explorer ends at {whole['bottom']:.0f} px, below the screen's "
+        f"{shown['bottom']:.0f} px")
+
+
 def wait_idle(page) -> None:
     page.wait_for_function(
         "() => /\\| Idle/.test(document.querySelector('#jp-main-statusbar')?.innerText ?? '')",
@@ -64,8 +98,7 @@ def wait_idle(page) -> None:
 @pytest.mark.parametrize("width", WIDTHS, ids=list(WIDTHS))
 def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
     path = write_notebook(lab, f"policy_explorer_browser_test_{width}", CELLS)
-    # The screen's width; tall enough that the whole explorer is in one screenshot.
-    page.set_viewport_size({**WIDTHS[width], "height": 1700})
+    page.set_viewport_size(WIDTHS[width])     # a laptop's window: 800 px tall
     explorer = page.locator(ROOT)
     try:
         open_and_run(page, lab, path, ".ckptlib-policy-summary table")
@@ -76,9 +109,9 @@ def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
         assert softmax_bytes == 2 * 2 * 16 * 16 * 4
         assert kept_by_selection(page) == "0 B"
         assert page.evaluate(CELL_OF_SELECTION, "step time") is None, "a time nobody asked for"
-        explorer.scroll_into_view_if_needed()
+        assert_on_one_screen(explorer)
         assert_readable(explorer, ".ckptlib-policy-plot")
-        explorer.screenshot(path=str(artifacts / f"policy_explorer-{width}-built.png"))
+        page.screenshot(path=str(artifacts / f"policy_explorer-{width}-built.png"))
 
         page.locator(".ckptlib-policy-tick input").nth(softmax).check()
         wait_for_kept(page, f"{softmax_bytes / 1024:.2f} KiB")
@@ -96,8 +129,8 @@ def test_ticking_an_op_keeps_its_output(lab, page, artifacts, width):
         assert re.fullmatch(
             r"[\d.]+ ms\n[\d.]+-[\d.]+", page.evaluate(CELL_OF_SELECTION, "step time")
         )
-        explorer.scroll_into_view_if_needed()
+        assert_on_one_screen(explorer)
         assert_readable(explorer, ".ckptlib-policy-plot")
-        explorer.screenshot(path=str(artifacts / f"policy_explorer-{width}-timed.png"))
+        page.screenshot(path=str(artifacts / f"policy_explorer-{width}-timed.png"))
     finally:
         page.screenshot(path=str(artifacts / f"policy_explorer-{width}.png"))

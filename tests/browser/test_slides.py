@@ -12,7 +12,10 @@ how many it made in ``<html data-slides-fitted="N">`` before reveal.js starts.
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import nbformat
@@ -188,3 +191,47 @@ def test_a_widget_is_a_labelled_snapshot(notebook, decks, page, artifacts):
     else:
         assert slide.locator(".jp-OutputArea-output img").count() >= 1
     assert page.console_errors == []
+
+
+# Each character drawn alone on a canvas in the font the page gives `element`, as a data URL. A
+# character no font has is drawn as the .notdef box, the same picture for every such character.
+DRAWN = """async ([element, characters]) => {
+  const font = `32px ${getComputedStyle(element).fontFamily}`;
+  await document.fonts.load(font, characters.join(''));
+  return characters.map(character => {
+    const canvas = document.createElement('canvas');
+    canvas.width = canvas.height = 48;
+    const context = canvas.getContext('2d');
+    context.font = font;
+    context.fillText(character, 4, 38);
+    return canvas.toDataURL();
+  });
+}"""
+NO_GLYPH = "\U0010fffd"  # private use: no font draws it, so it shows what a box looks like
+
+
+def cjk_font_installed() -> bool:
+    """Whether fontconfig (which Chromium asks) knows a font with Chinese glyphs."""
+    fc_list = shutil.which("fc-list")
+    return bool(fc_list) and bool(subprocess.run(
+        [fc_list, ":lang=zh", "family"], capture_output=True, text=True).stdout.strip())
+
+
+def test_the_chinese_title_draws_glyphs_not_boxes(decks, page):
+    """Where a CJK font is installed (CI installs fonts-noto-cjk), the seed article's title on the
+    first slide is drawn as glyphs: every character of it differs from a box, and from the others
+    (boxes would all look alike)."""
+    if not cjk_font_installed():
+        if os.environ.get("CI"):
+            pytest.fail("no CJK font installed: CI installs fonts-noto-cjk (.ci/run)")
+        pytest.skip("no CJK font installed here (apt-get install fonts-noto-cjk)")
+    notebook = classroom.ROOT / "notebooks" / "05_memory_vs_compute.ipynb"
+    open_deck(page, decks, notebook, [], [])
+    title = page.locator("section p", has_text="深入PyTorch").first
+    characters = sorted(set(re.findall(r"[\u3000-\u9fff\uff00-\uffef]", title.inner_text())))
+    assert len(characters) >= 10, characters
+    drawn = dict(zip(characters + [NO_GLYPH],
+                     page.evaluate(DRAWN, [title.element_handle(), characters + [NO_GLYPH]])))
+    boxes = [character for character in characters if drawn[character] == drawn[NO_GLYPH]]
+    assert boxes == [], f"drawn as boxes: {''.join(boxes)}"
+    assert len({drawn[character] for character in characters}) == len(characters)

@@ -128,3 +128,24 @@ def test_01_no_node_is_a_right_answer_to_the_articles_grad_fn(guess, verdict):
     exec(compile(ast.Module(statements, type_ignores=[]), "<01-005>", "exec"), namespace)
     verdict_shown = eval(compile(ast.Expression(shown.value), "<01-005>", "eval"), namespace)
     assert verdict in repr(verdict_shown), repr(verdict_shown)
+
+
+def test_01_exercise_2_is_shown_what_it_needs_on_ops_it_does_not_check():
+    """01 Exercise 2: before the exercise, a cell prints what saved_roles must read (an output kept
+    under a name the op's signature gives it, an input that is neither self nor other, numbered
+    results, values that are not tensors), on ops its self-check does not ask about."""
+    path = NOTEBOOKS / "01_autograd_graphs.ipynb"
+    cells = nbformat.read(path, 4).cells
+    exercise = next(index for index, cell in enumerate(cells)
+                    if cell.metadata.get("nbgrader", {}).get("grade_id") == "exercise-2")
+    worked = cells[exercise - 2]
+    assert worked.cell_type == "code" and "show_saved(node)" in worked.source
+    printed = "".join(output.get("text", "") for output in worked.outputs)
+    for shown in (r"_saved_indices +tensor", r"-> \(Tensor values, Tensor indices\)",
+                  r"_saved_index +tensor", r"_saved_result1 +tensor",
+                  r"-> \(Tensor, Tensor, Tensor\)", r"_saved_weight +None", r"_saved_dim +1"):
+        assert re.search(shown, printed), shown
+    check = next(cell.source for cell in cells
+                 if cell.metadata.get("nbgrader", {}).get("grade_id") == "exercise-2-check")
+    for op in ("topk", "gather", "group_norm"):
+        assert op in worked.source and op not in check, op

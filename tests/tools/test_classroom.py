@@ -7,13 +7,19 @@ opens offline: every link and asset in it resolves to a file (and anchor) inside
 """
 from __future__ import annotations
 
+import base64
+import copy
 import doctest
+import io
 import re
 from pathlib import Path
 
 import jsonschema
 import nbformat
 import pytest
+from PIL import Image
+
+from ckptlib.widgets import ScheduleExplorer
 
 ROOT = Path(__file__).resolve().parents[2]
 import classroom  # noqa: E402  (tools/, put on sys.path by tests/conftest.py)
@@ -218,7 +224,8 @@ def test_a_widget_with_its_state_is_a_snapshot_with_a_note():
     note, view = nb.cells[0].outputs
     assert (
         "Static snapshot" in note.data["text/html"]
-        and "notebooks/06_x.ipynb" in note.data["text/html"]
+        and "make lab NOTEBOOK=06_x.ipynb</code> opens your own copy, lab/06_x.ipynb"
+        in note.data["text/html"]
     )
     assert classroom.WIDGET_VIEW in view.data
     # The saved state keeps what the shown widgets need: "stale" belonged to no output.
@@ -252,6 +259,28 @@ def test_a_widget_without_a_picture_says_its_snapshot_is_the_saved_state():
     )
 
 
+def test_a_widget_picture_is_shown_at_the_size_of_the_live_widget():
+    """ckptlib's widgets draw their pictures at twice the pixels they take on screen: a page
+    shows one at half its pixel width (sharp, and as large as the live widget), not at its full
+    pixels (twice too large)."""
+    explorer = ScheduleExplorer(n=8, schedule="revolve", max_n=8)
+    try:
+        bundle = explorer._repr_mimebundle_()
+    finally:
+        explorer.close()
+    width = Image.open(io.BytesIO(base64.b64decode(bundle["image/png"]))).width
+    nb = widget_notebook({"view": model()})
+    nb.cells[0].outputs[0].data["image/png"] = bundle["image/png"]
+    page = classroom.static_widgets(copy.deepcopy(nb), DOCUMENT)
+    _, picture = page.cells[0].outputs
+    assert picture.metadata == {"image/png": {"width": width // 2}}
+    body, _ = classroom.HTMLExporter().from_notebook_node(page)
+    assert f'width="{width // 2}"' in body
+    # A deck shows it as large as the canvas allows: slides.js shrinks what does not fit.
+    deck = classroom.static_widgets(nb, DOCUMENT, pictures_at_widget_size=False)
+    assert deck.cells[0].outputs[1].metadata == {}
+
+
 def test_in_a_deck_a_widget_gets_a_cell_of_its_own_without_code():
     nb = classroom.slides_apart(
         classroom.static_widgets(widget_notebook({"view": model()}), DOCUMENT)
@@ -275,7 +304,10 @@ def test_a_widget_without_its_state_becomes_a_note_that_names_it(state):
     [note] = nb.cells[0].outputs
     assert classroom.WIDGET_VIEW not in note.data
     assert "Interactive widget MemoryDashboard(per block, depth 4)" in note.data["text/html"]
-    assert "make lab" in note.data["text/html"]
+    # The learner's copy, opened by name (the committed notebook shows the answers).
+    assert "<code>make lab NOTEBOOK=06_x.ipynb</code> opens your own copy, lab/06_x.ipynb" in (
+        note.data["text/html"])
+    assert "notebooks/" not in note.data["text/html"]
     assert "widgets" not in nb.metadata   # nothing left to draw: no widgets script on the page
 
 

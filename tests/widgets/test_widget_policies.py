@@ -151,7 +151,7 @@ VARIANTS = ["plain", "full checkpoint", "save_matmuls", "cost policy", "your sel
 def test_nothing_is_timed_until_asked_and_then_all_five_in_turns(explorer):
     explorer.select(lambda row: row["op"] == "gelu")
     assert explorer.timing == {} and "step time" not in explorer.summary.value
-    assert "Press <b>time all five</b>" in explorer.summary.value
+    assert "Press <b>time all five</b>" in explorer.note.value
     timer = explorer.timer = ScriptedTimer({name: [0.010] for name in VARIANTS}, explorer)
     try:
         timing = explorer.time_all()
@@ -170,8 +170,10 @@ def test_nothing_is_timed_until_asked_and_then_all_five_in_turns(explorer):
         len(times) == TIMED_ROUNDS for times in timing.values()
     )
     assert "step time" in explorer.summary.value and "vs plain" in explorer.summary.value
+    assert "timed in turns" in explorer.note.value and "Press" not in explorer.note.value
     explorer.select(lambda row: False)        # a new selection: the old times no longer describe it
     assert explorer.timing == {} and "step time" not in explorer.summary.value
+    assert "Press <b>time all five</b>" in explorer.note.value
 
 
 @pytest.mark.parametrize("seed", range(8))

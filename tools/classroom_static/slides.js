@@ -10,7 +10,10 @@
  *     font, down to MIN_CODE_PX; lines that still do not fit wrap. Nothing is cut off.
  *  2. Height. A slide at most 1/MIN_SHRINK times too tall is shrunk to fit (text stays >= 85%).
  *     A taller one is split between cells: the rest moves to a new vertical slide headed
- *     "<title> (continued)", whose first cell shows at once. The decks navigate linearly, so a
+ *     "<title> (continued)", whose first cell shows at once. A slide without a heading whose
+ *     first cell is a caption of what follows ("Two plans as timelines: ...") would keep that
+ *     caption alone and send its picture on under "(continued)"; it is shrunk further instead,
+ *     down to CAPTION_SHRINK, before it is split. The decks navigate linearly, so a
  *     presenter keeps pressing "next" and never scrolls; the room always sees the whole slide.
  *  3. One cell taller than the canvas on its own is shrunk down to MIN_ZOOM, and beyond that
  *     scrolls inside its slide, each fragment scrolled into view as it appears.
@@ -24,6 +27,7 @@
 
   var MIN_CODE_PX = 13;     // the smallest code font (the slides' code font is 19px)
   var MIN_SHRINK = 0.85;    // shrink a whole slide at most this far before splitting it
+  var CAPTION_SHRINK = 0.75; // ... or this far, to keep a slide's caption with what it captions
   var MIN_ZOOM = 0.6;       // shrink one oversized cell at most this far before it scrolls
   var SETTLE_MS = 400;      // no DOM change for this long: widgets and MathJax are done
   var MAX_WAIT_MS = 5000;   // start anyway after this long
@@ -190,6 +194,13 @@
     }
   }
 
+  // A slide without a heading whose split would leave its first cell, the caption, alone.
+  function captionAlone(section, height) {
+    var all = parts(section);
+    return !titleOf(section) && all.length > 1 &&
+      bottomOf(all[1], section) > bottomLimit(section, height);
+  }
+
   function fitSlide(section, height) {
     var queue = [section];
     while (queue.length) {
@@ -197,8 +208,9 @@
       laidOut(slide, function () {
         fitWidths(slide);
         if (slide.scrollHeight <= height) return;
-        if (slide.scrollHeight * MIN_SHRINK <= height) {
-          if (shrink(slide, height, MIN_SHRINK)) return;
+        var least = captionAlone(slide, height) ? CAPTION_SHRINK : MIN_SHRINK;
+        if (slide.scrollHeight * least <= height) {
+          if (shrink(slide, height, least)) return;
           unshrink(slide);
         }
         var rest = split(slide, height);
