@@ -50,11 +50,12 @@ a ``ValueError`` names the least peak reached: every candidate checkpointed its 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 import torch.nn as nn
@@ -271,9 +272,20 @@ class _Step:
         self.candidates, self.device = candidates, device
         self.root = type(model).__name__
 
-    def kept_aside(self) -> Any:
-        """The caller's gradients and RNG set aside while the planner runs steps, then restored."""
-        return _KeptAside(self.model, self.device)
+    @contextlib.contextmanager
+    def kept_aside(self) -> Iterator[None]:
+        """The caller's gradients and RNG set aside while the planner runs steps (grad mode on),
+        then restored, also when a step raises."""
+        grads = [(p, p.grad) for p in self.model.parameters()]
+        for p, _ in grads:
+            p.grad = None
+        devices = [self.device] if self.device.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                yield
+        finally:
+            for p, grad in grads:
+                p.grad = grad
 
     def metered(self, hows: dict[str, Any]) -> _Run:
         """One step with ``hows`` applied (path -> how; empty: plain autograd), under the meter."""
@@ -374,28 +386,6 @@ class _Step:
             raise ValueError(f"plan_checkpointing: {', '.join(missing)} did not run in the "
                              "model's forward on example_inputs; leave them out (select=).")
         return found
-
-
-class _KeptAside:
-    """Context: the parameters' gradients set aside and put back, the RNG forked."""
-
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
-        self.model = model
-        self.rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-
-    def __enter__(self) -> None:
-        self.grads = [(p, p.grad) for p in self.model.parameters()]
-        for p, _ in self.grads:
-            p.grad = None
-        self.rng.__enter__()
-        self.grad_mode = torch.enable_grad()
-        self.grad_mode.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.grad_mode.__exit__(*exc)
-        self.rng.__exit__(*exc)
-        for p, grad in self.grads:
-            p.grad = grad
 
 
 class _Hows:
